@@ -1,0 +1,1 @@
+"""tensorplay's counterpart of ``torch.distributed``: the algorithms it makes observable."""

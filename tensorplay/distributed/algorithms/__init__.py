@@ -1,0 +1,1 @@
+"""Distributed training algorithms: DDP communication hooks and the generic ``Join``."""

@@ -1,0 +1,1 @@
+"""Turns what the algorithms report into OpenTelemetry spans and Prometheus metrics."""

@@ -1,0 +1,157 @@
+"""Where the algorithms report what they do: a no-op unless something listens.
+
+The algorithms (hooks, ``Join``) import this module and nothing else of ``tensorplay.telemetry``.
+A hook asks :func:`current_recorder` once per call: ``None`` means nobody traces this call and
+every report is skipped behind that single branch. A traced hook installs a recorder for the
+synchronous part of the call; hooks that report from future callbacks keep the recorder they got
+at call time. ``Join`` hands one :class:`JoinReport` per context to the join listeners, and only
+builds it when :func:`join_listening` says someone listens.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+__all__ = [
+    "HookRecorder",
+    "JoinReport",
+    "current_recorder",
+    "install_recorder",
+    "uninstall_recorder",
+    "describe_hook",
+    "hook_name",
+    "reports_collectives",
+    "add_join_listener",
+    "remove_join_listener",
+    "join_listening",
+    "report_join",
+]
+
+_logger = logging.getLogger(__name__)
+
+_HOOK_NAME_ATTR = "_tensorplay_hook_name"
+_REPORTS_ATTR = "_tensorplay_reports_collectives"
+
+
+class HookRecorder(Protocol):
+    """What a hook reports about one bucket of one iteration."""
+
+    def collective_launching(self, tensor: torch.Tensor) -> Any:
+        """Note that ``tensor`` is about to enter a collective; returns a token for ``collective_launched``."""
+
+    def collective_launched(self, token: Any, future: torch.futures.Future) -> None:
+        """Note the future of the collective announced by ``token``."""
+
+    def wants_compression_error(self) -> bool:
+        """Whether this call samples the exact compression error (it costs a pass over the bucket)."""
+
+    def compression(
+        self,
+        kind: str,
+        original: torch.Tensor,
+        approximation: torch.Tensor | None = None,
+        *,
+        scale: float = 1.0,
+        residual: torch.Tensor | None = None,
+    ) -> None:
+        """Report one compression stage.
+
+        ``original`` is this rank's full-precision contribution. Either ``approximation * scale``
+        is what compression made of it, or ``residual`` is ``original`` minus that (PowerSGD's
+        error feedback). Must be called before the collective that reuses ``approximation``.
+        """
+
+
+_current: ContextVar[HookRecorder | None] = ContextVar("tensorplay_hook_recorder", default=None)
+
+
+def current_recorder() -> HookRecorder | None:
+    """Return the recorder of the traced hook call in progress, or ``None``."""
+    return _current.get()
+
+
+def install_recorder(recorder: HookRecorder) -> Token:
+    """Make ``recorder`` current for the hook call about to run."""
+    return _current.set(recorder)
+
+
+def uninstall_recorder(token: Token) -> None:
+    """Undo :func:`install_recorder`."""
+    _current.reset(token)
+
+
+def describe_hook(hook: Callable, name: str, reports_collectives: bool = True) -> Callable:
+    """Tag ``hook`` with its display name and whether it reports every collective it launches.
+
+    Display names compose for wrappers (``bf16_compress_wrapper(powerSGD_hook)``) while the
+    function's ``__name__`` stays the one torch uses.
+    """
+    setattr(hook, _HOOK_NAME_ATTR, name)
+    setattr(hook, _REPORTS_ATTR, reports_collectives)
+    return hook
+
+
+def hook_name(hook: Callable) -> str:
+    """Return the display name of any hook: tensorplay's composed name, else its own name."""
+    name = getattr(hook, _HOOK_NAME_ATTR, None)
+    if name is not None:
+        return name
+    target = getattr(hook, "func", hook)  # functools.partial
+    return getattr(target, "__name__", None) or type(target).__name__
+
+
+def reports_collectives(hook: Callable) -> bool:
+    """Whether ``hook`` reports every collective it launches (tensorplay's hooks do)."""
+    return bool(getattr(hook, _REPORTS_ATTR, False))
+
+
+@dataclass(frozen=True)
+class JoinReport:
+    """What one rank's ``Join`` context measured, handed to the join listeners once it ends."""
+
+    rank: int
+    world_size: int
+    joined_unix: float
+    """Unix time this rank ran out of inputs (entered ``__exit__``)."""
+    all_joined_unix: float
+    """Unix time this rank saw every rank joined."""
+    wait_seconds: float
+    """Monotonic time from this rank joining until all ranks joined."""
+    shadow_iterations: int
+    """Iterations this rank shadowed for the others after joining."""
+    last_joiner: bool
+    """Whether this rank was among the last to join (torch's ``is_last_joiner``)."""
+
+
+_join_listeners: list[Callable[[JoinReport], None]] = []
+
+
+def add_join_listener(listener: Callable[[JoinReport], None]) -> None:
+    """Have ``listener`` called with every :class:`JoinReport` from now on."""
+    if listener not in _join_listeners:
+        _join_listeners.append(listener)
+
+
+def remove_join_listener(listener: Callable[[JoinReport], None]) -> None:
+    """Stop calling ``listener``; a listener that is not registered is ignored."""
+    if listener in _join_listeners:
+        _join_listeners.remove(listener)
+
+
+def join_listening() -> bool:
+    """Whether any join listener is registered (``Join`` measures nothing otherwise)."""
+    return bool(_join_listeners)
+
+
+def report_join(report: JoinReport) -> None:
+    """Hand ``report`` to every listener; a failing listener is logged and never breaks ``Join``."""
+    for listener in list(_join_listeners):
+        try:
+            listener(report)
+        except Exception:  # telemetry must never break training
+            _logger.exception("tensorplay join listener %r failed", listener)
