@@ -30,6 +30,9 @@ __all__ = [
     "remove_join_listener",
     "join_listening",
     "report_join",
+    "enter_shadow_phase",
+    "leave_shadow_phase",
+    "in_shadow_phase",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -129,6 +132,28 @@ class JoinReport:
 
 
 _join_listeners: list[Callable[[JoinReport], None]] = []
+_shadow_depth = 0
+
+
+def enter_shadow_phase() -> None:
+    """Note that this rank ran out of inputs and now shadows the others' collectives.
+
+    Hook calls made while shadowing are not this rank's own work: the traced hooks leave them
+    out of ``tensorplay_step_compute_seconds``, so uneven inputs never look like a straggler.
+    """
+    global _shadow_depth
+    _shadow_depth += 1
+
+
+def leave_shadow_phase() -> None:
+    """Undo :func:`enter_shadow_phase` once every rank has joined."""
+    global _shadow_depth
+    _shadow_depth = max(0, _shadow_depth - 1)
+
+
+def in_shadow_phase() -> bool:
+    """Whether this rank is shadowing inside a ``Join`` right now."""
+    return _shadow_depth > 0
 
 
 def add_join_listener(listener: Callable[[JoinReport], None]) -> None:
