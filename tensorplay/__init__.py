@@ -2,4 +2,6 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+from tensorplay.telemetry.traced import traced  # noqa: E402  (needs __version__ above)
+
+__all__ = ["__version__", "traced"]

@@ -40,6 +40,7 @@ def train(
     steps: int = 4,
     seed: int = 0,
     lr: float = 0.1,
+    loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """Train the test model with ``hook`` registered and return the final parameters."""
     model = DDP(make_model(seed), bucket_cap_mb=BUCKET_CAP_MB)
@@ -48,7 +49,7 @@ def train(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
         optimizer.zero_grad()
-        model(rank_batch(rank, step)).square().mean().backward()
+        (model(rank_batch(rank, step)).square().mean() * loss_scale).backward()
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
 

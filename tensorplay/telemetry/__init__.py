@@ -1,1 +1,22 @@
-"""Turns what the algorithms report into OpenTelemetry spans and Prometheus metrics."""
+"""Turns what the algorithms report into OpenTelemetry spans and Prometheus metrics.
+
+Public entry points: :func:`traced`, :func:`enable_metrics` / :func:`disable_metrics`,
+:func:`configure_tracing` and :func:`flush`.
+"""
+
+from . import join_telemetry  # noqa: F401  (exports every Join's timing)
+from .metrics import TensorplayMetrics, active_metrics, disable_metrics, enable_metrics
+from .resolver import flush
+from .traced import DEFAULT_ERROR_EVERY, traced
+from .tracing import configure_tracing
+
+__all__ = [
+    "traced",
+    "DEFAULT_ERROR_EVERY",
+    "TensorplayMetrics",
+    "enable_metrics",
+    "disable_metrics",
+    "active_metrics",
+    "configure_tracing",
+    "flush",
+]

@@ -1,1 +1,62 @@
-"""DDP communication hooks, each also available traced: ``traced(bf16_compress_hook)``."""
+"""DDP communication hooks, each also available traced: ``traced(bf16_compress_hook)``.
+
+``DDPCommHookType`` and ``register_ddp_comm_hook`` mirror torch's registry for every hook
+tensorplay ships.
+"""
+
+import sys
+from enum import Enum
+from functools import partial
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from tensorplay.telemetry.traced import traced
+
+from . import debugging_hooks as debugging
+from . import default_hooks as default
+
+if sys.version_info >= (3, 11):
+    from enum import member as _enum_member
+else:  # before 3.11 a partial in an Enum body is a member already
+
+    def _enum_member(value: Any) -> Any:
+        return value
+
+
+__all__ = ["DDPCommHookType", "register_ddp_comm_hook", "traced"]
+
+
+def _register(comm_hook: Callable, model: nn.Module, state: Any) -> None:
+    model.register_comm_hook(state, comm_hook)
+
+
+class DDPCommHookType(Enum):
+    """
+    Enumerate tensorplay's communication hooks as ready-to-register partials.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> DDPCommHookType.FP16_COMPRESS.value(model=ddp_model, state=process_group)
+    """
+
+    ALLREDUCE = _enum_member(partial(_register, comm_hook=default.allreduce_hook))
+    FP16_COMPRESS = _enum_member(partial(_register, comm_hook=default.fp16_compress_hook))
+    BF16_COMPRESS = _enum_member(partial(_register, comm_hook=default.bf16_compress_hook))
+    NOOP = _enum_member(partial(_register, comm_hook=debugging.noop_hook))
+
+
+def register_ddp_comm_hook(comm_hook_type: DDPCommHookType, model: nn.Module, state: Any = None) -> None:
+    """
+    Register the hook named by ``comm_hook_type`` on the DDP ``model`` with ``state``.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> register_ddp_comm_hook(DDPCommHookType.FP16_COMPRESS, ddp_model, process_group)
+    """
+    if not isinstance(comm_hook_type, DDPCommHookType):
+        raise TypeError(
+            f"register_ddp_comm_hook: comm_hook_type must be a DDPCommHookType, got {type(comm_hook_type).__name__}"
+        )
+    comm_hook_type.value(model=model, state=state)

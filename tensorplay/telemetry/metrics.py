@@ -1,0 +1,182 @@
+"""tensorplay's Prometheus metrics: the families, the process-wide switch, and the per-rank endpoint.
+
+Metrics are off until :func:`enable_metrics` is called, or until a traced hook or ``Join`` runs
+in a process whose environment sets ``TENSORPLAY_METRICS_PORT`` (the torchrun way). Each rank
+serves ``/metrics`` on ``base port + LOCAL_RANK``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .names import Metric
+from .server import MetricsServer
+
+__all__ = [
+    "TensorplayMetrics",
+    "enable_metrics",
+    "disable_metrics",
+    "active_metrics",
+    "DEFAULT_METRICS_PORT",
+    "DEFAULT_METRICS_ADDR",
+]
+
+_logger = logging.getLogger(__name__)
+
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_METRICS_ADDR = "0.0.0.0"
+PORT_ENV = "TENSORPLAY_METRICS_PORT"
+ADDR_ENV = "TENSORPLAY_METRICS_ADDR"
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ERROR_BUCKETS = (1e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+JOIN_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
+
+
+class TensorplayMetrics:
+    """All tensorplay metric families, registered in one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        hook_labels = ("rank", "hook")
+        rank_label = ("rank",)
+        r = self.registry
+        self.allreduce_latency = Histogram(
+            Metric.ALLREDUCE_LATENCY,
+            "Launch of a hook's first collective to completion of its last, per bucket.",
+            hook_labels, buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.bucket_bytes = Counter(Metric.BUCKET_BYTES, "Bytes of gradient buckets handed to hooks.", hook_labels, registry=r)
+        self.wire_bytes = Counter(Metric.WIRE_BYTES, "Bytes hooks sent into collectives.", hook_labels, registry=r)
+        self.compression_error = Histogram(
+            Metric.COMPRESSION_ERROR,
+            "Relative L2 error of this rank's contribution made by compression, per bucket.",
+            hook_labels, buckets=ERROR_BUCKETS, registry=r,
+        )
+        self.nonfinite = Counter(
+            Metric.NONFINITE, "Elements made non-finite by compression (e.g. fp16 overflow).", hook_labels, registry=r
+        )
+        self.step_compute = Histogram(
+            Metric.STEP_COMPUTE,
+            "This rank's own work per iteration: previous iteration's last collective done to first hook call.",
+            rank_label, buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.last_step_timestamp = Gauge(
+            Metric.LAST_STEP_TIMESTAMP, "Unix time of this rank's latest hook call.", rank_label, registry=r
+        )
+        self.join_timestamp = Gauge(
+            Metric.JOIN_TIMESTAMP, "Unix time this rank ran out of inputs (latest Join).", rank_label, registry=r
+        )
+        self.join_shadow_iterations = Gauge(
+            Metric.JOIN_SHADOW_ITERATIONS, "Iterations this rank shadowed after joining (latest Join).", rank_label, registry=r
+        )
+        self.join_wait = Histogram(
+            Metric.JOIN_WAIT, "Time from this rank joining until all ranks joined.",
+            rank_label, buckets=JOIN_WAIT_BUCKETS, registry=r,
+        )
+        self.join_last_joiner = Gauge(
+            Metric.JOIN_LAST_JOINER, "1 if this rank was among the last to join (latest Join), else 0.", rank_label, registry=r
+        )
+        self.joins = Counter(Metric.JOINS, "Join contexts completed.", rank_label, registry=r)
+        self.telemetry_errors = Counter(
+            Metric.TELEMETRY_ERRORS,
+            "Telemetry problems that training rode over (port taken, exporter down, a failing listener).",
+            ("rank", "reason"), registry=r,
+        )
+
+    def count_error(self, rank: int, reason: str) -> None:
+        """Count a telemetry problem that training went on through."""
+        self.telemetry_errors.labels(rank=str(rank), reason=reason).inc()
+
+
+_lock = threading.Lock()
+_active: TensorplayMetrics | None = None
+_server: MetricsServer | None = None
+_env_checked = False
+
+
+def enable_metrics(
+    port: int | None = None,
+    addr: str | None = None,
+    registry: CollectorRegistry | None = None,
+    serve: bool = True,
+) -> TensorplayMetrics:
+    """Turn tensorplay's metrics on for this process and serve them on ``/metrics``.
+
+    Arguments:
+        port: base port; this rank serves on ``port + LOCAL_RANK``. Default: the
+            ``TENSORPLAY_METRICS_PORT`` environment variable, else 9400.
+        addr: address to bind. Default: ``TENSORPLAY_METRICS_ADDR``, else ``0.0.0.0`` (all
+            interfaces, so Prometheus can scrape pods and nodes); use ``127.0.0.1`` on a laptop.
+        registry: where the metric families live (tests pass a fresh ``CollectorRegistry()``;
+            pass ``prometheus_client.REGISTRY`` with ``serve=False`` to use your own endpoint).
+        serve: start the HTTP endpoint. A port that is taken gives a warning, is counted in
+            ``tensorplay_telemetry_errors_total{reason="metrics_port_unavailable"}``, and training
+            goes on with metrics collected but not served.
+
+    Calling it again returns the metrics already enabled.
+    """
+    global _active, _server
+    with _lock:
+        if _active is not None:
+            return _active
+        metrics = TensorplayMetrics(registry)
+        if serve:
+            base = port if port is not None else int(os.environ.get(PORT_ENV, DEFAULT_METRICS_PORT))
+            bind = addr if addr is not None else os.environ.get(ADDR_ENV, DEFAULT_METRICS_ADDR)
+            real_port = base + int(os.environ.get("LOCAL_RANK", "0"))
+            try:
+                _server = MetricsServer(metrics.registry, bind, real_port)
+            except OSError as error:
+                warnings.warn(
+                    f"tensorplay: cannot serve metrics on {bind}:{real_port} ({error}); "
+                    "training goes on, metrics are collected but not served",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                metrics.count_error(_rank(), "metrics_port_unavailable")
+        _active = metrics
+        return metrics
+
+
+def disable_metrics() -> None:
+    """Turn metrics off and stop serving them."""
+    global _active, _server
+    with _lock:
+        if _server is not None:
+            _server.close()
+        _active = None
+        _server = None
+
+
+def active_metrics() -> TensorplayMetrics | None:
+    """Return the enabled metrics, enabling them first if the environment asks for it."""
+    global _env_checked
+    if _active is None and not _env_checked:
+        _env_checked = True
+        if os.environ.get(PORT_ENV):
+            try:
+                enable_metrics()
+            except Exception:  # a bad environment value must not stop training
+                _logger.exception("tensorplay: could not enable metrics from %s", PORT_ENV)
+    return _active
+
+
+def served_address() -> tuple[str, int] | None:
+    """Return the (host, port) the endpoint listens on, or None when nothing is served."""
+    return _server.address if _server is not None else None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def rank_label() -> str:
+    """This process's global rank as a label value."""
+    return str(_rank())

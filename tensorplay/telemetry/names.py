@@ -1,0 +1,54 @@
+"""Every span attribute and metric name tensorplay emits, as fixed by the telemetry contract."""
+
+__all__ = [
+    "TRACER_NAME",
+    "HOOK_SPAN_NAME",
+    "JOIN_SPAN_NAME",
+    "Attr",
+    "Metric",
+]
+
+TRACER_NAME = "tensorplay"
+HOOK_SPAN_NAME = "tensorplay.comm_hook"
+JOIN_SPAN_NAME = "tensorplay.join"
+
+
+class Attr:
+    """Span attribute names."""
+
+    HOOK = "tensorplay.hook"
+    RANK = "tensorplay.rank"
+    WORLD_SIZE = "tensorplay.world_size"
+    STEP = "tensorplay.step"
+    BUCKET_INDEX = "tensorplay.bucket.index"
+    BUCKET_NUMEL = "tensorplay.bucket.numel"
+    BUCKET_BYTES = "tensorplay.bucket.bytes"
+    BUCKET_WIRE_BYTES = "tensorplay.bucket.wire_bytes"
+    BUCKET_DTYPE = "tensorplay.bucket.dtype"
+    COMPRESSION_DTYPE = "tensorplay.compression.dtype"
+    COMPRESSION_RELATIVE_ERROR = "tensorplay.compression.relative_error"
+    COMPRESSION_NONFINITE = "tensorplay.compression.nonfinite"
+    ALLREDUCE_LATENCY_MS = "tensorplay.allreduce.latency_ms"
+    ALLREDUCE_COUNT = "tensorplay.allreduce.count"
+    # Join span (an extension documented in docs/telemetry.md).
+    JOIN_SHADOW_ITERATIONS = "tensorplay.join.shadow_iterations"
+    JOIN_WAIT_MS = "tensorplay.join.wait_ms"
+    JOIN_LAST_JOINER = "tensorplay.join.last_joiner"
+
+
+class Metric:
+    """Prometheus metric names (counters without the ``_total`` that prometheus_client appends)."""
+
+    ALLREDUCE_LATENCY = "tensorplay_allreduce_latency_seconds"
+    BUCKET_BYTES = "tensorplay_bucket_bytes"
+    WIRE_BYTES = "tensorplay_wire_bytes"
+    COMPRESSION_ERROR = "tensorplay_compression_error_ratio"
+    NONFINITE = "tensorplay_nonfinite_elements"
+    STEP_COMPUTE = "tensorplay_step_compute_seconds"
+    LAST_STEP_TIMESTAMP = "tensorplay_last_step_timestamp_seconds"
+    JOIN_TIMESTAMP = "tensorplay_join_timestamp_seconds"
+    JOIN_SHADOW_ITERATIONS = "tensorplay_join_shadow_iterations"
+    JOIN_WAIT = "tensorplay_join_wait_seconds"
+    JOIN_LAST_JOINER = "tensorplay_join_last_joiner"
+    JOINS = "tensorplay_joins"
+    TELEMETRY_ERRORS = "tensorplay_telemetry_errors"

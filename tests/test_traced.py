@@ -1,0 +1,298 @@
+"""traced(hook): same gradients, and every contract attribute and metric with the right value."""
+
+import socket
+import urllib.error
+import urllib.request
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+import tensorplay
+from tensorplay.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, traced
+from tensorplay.telemetry import TensorplayMetrics, flush
+from tensorplay.telemetry.names import Attr
+
+from .ranks import free_port, run_ranks
+from .training import passthrough, train
+
+HOOKS = {
+    "allreduce_hook": (default_hooks.allreduce_hook, None),
+    "fp16_compress_hook": (default_hooks.fp16_compress_hook, "float16"),
+    "bf16_compress_hook": (default_hooks.bf16_compress_hook, "bfloat16"),
+    "fp16_compress_wrapper(allreduce_hook)": (default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook), "float16"),
+    "bf16_compress_wrapper(allreduce_hook)": (default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook), "bfloat16"),
+    "noop_hook": (debugging_hooks.noop_hook, None),
+}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def user_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A hook tensorplay knows nothing about."""
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+class BucketCopies:
+    """Wraps a hook to keep a copy of every bucket as DDP handed it over, keyed by (step, index)."""
+
+    def __init__(self, hook: Any) -> None:
+        self.copies: dict[tuple[int, int], torch.Tensor] = {}
+        self._step = 0
+
+        def copying_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            self.copies[(self._step, bucket.index())] = bucket.buffer().clone()
+            if bucket.is_last():
+                self._step += 1
+            return hook(state, bucket)
+
+        self.hook = copying_hook
+
+
+def _expected_error(copy: torch.Tensor, dtype: torch.dtype, world_size: int, wrapper: bool) -> float:
+    x = copy.double() if wrapper else copy.double() / world_size
+    x_hat = copy.to(dtype).double() if wrapper else copy.to(dtype).div(world_size).double()
+    return float((x - x_hat).norm() / x.norm())
+
+
+def _spans_and_metrics(rank: int, world_size: int) -> dict:
+    outcome: dict[str, Any] = {}
+    for name, (hook, compression) in [*HOOKS.items(), ("user_hook", (user_hook, None))]:
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        metrics = TensorplayMetrics(CollectorRegistry())
+        copies = BucketCopies(traced(hook, error_every=1, metrics=metrics, tracer_provider=provider))
+        traced_params = train(rank, copies.hook, steps=3)
+        assert flush(30), "records still pending"
+        plain_params = train(rank, passthrough(hook), steps=3)
+        spans = [dict(s.attributes) for s in exporter.get_finished_spans() if s.name == "tensorplay.comm_hook"]
+        errors = []
+        for span in spans:
+            if compression is not None:
+                copy = copies.copies[(span[Attr.STEP], span[Attr.BUCKET_INDEX])]
+                expected = _expected_error(copy, DTYPES[compression], world_size, "wrapper" in name)
+                errors.append((span[Attr.COMPRESSION_RELATIVE_ERROR], expected))
+        registry = metrics.registry
+        labels = {"rank": str(rank), "hook": name}
+        outcome[name] = {
+            "equal": all(torch.equal(a, b) for a, b in zip(traced_params, plain_params)),
+            "spans": spans,
+            "errors": errors,
+            "bucket_numels": {k: v.numel() for k, v in copies.copies.items()},
+            "latency_count": registry.get_sample_value("tensorplay_allreduce_latency_seconds_count", labels),
+            "bucket_bytes": registry.get_sample_value("tensorplay_bucket_bytes_total", labels),
+            "wire_bytes": registry.get_sample_value("tensorplay_wire_bytes_total", labels),
+            "error_count": registry.get_sample_value("tensorplay_compression_error_ratio_count", labels),
+            "compute_count": registry.get_sample_value("tensorplay_step_compute_seconds_count", {"rank": str(rank)}),
+            "last_step": registry.get_sample_value("tensorplay_last_step_timestamp_seconds", {"rank": str(rank)}),
+        }
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def two_rank_outcome() -> list[dict]:
+    return run_ranks(_spans_and_metrics, 2)
+
+
+@pytest.mark.parametrize("name", [*HOOKS, "user_hook"])
+def test_traced_gradients_equal_untraced(two_rank_outcome: list[dict], name: str) -> None:
+    for rank, outcome in enumerate(two_rank_outcome):
+        assert outcome[name]["equal"], f"rank {rank}: traced({name}) changed the gradients"
+
+
+@pytest.mark.parametrize("name", [*HOOKS, "user_hook"])
+def test_every_contract_attribute_has_its_value(two_rank_outcome: list[dict], name: str) -> None:
+    compression = HOOKS.get(name, (None, None))[1]
+    for rank, outcome in enumerate(two_rank_outcome):
+        result = outcome[name]
+        spans = result["spans"]
+        assert len(spans) == len(result["bucket_numels"])  # one span per bucket of every step
+        assert len([key for key in result["bucket_numels"] if key[0] == 2]) >= 3  # after DDP's rebuild
+        assert sorted({s[Attr.STEP] for s in spans}) == [0, 1, 2]
+        for span in spans:
+            numel = result["bucket_numels"][(span[Attr.STEP], span[Attr.BUCKET_INDEX])]
+            assert span[Attr.HOOK] == name
+            assert span[Attr.RANK] == rank and span[Attr.WORLD_SIZE] == 2
+            assert span[Attr.BUCKET_NUMEL] == numel
+            assert span[Attr.BUCKET_BYTES] == numel * 4
+            assert span[Attr.BUCKET_DTYPE] == "float32"
+            assert span[Attr.COMPRESSION_NONFINITE] == 0
+            if name == "noop_hook":
+                assert span[Attr.ALLREDUCE_COUNT] == 0 and span[Attr.BUCKET_WIRE_BYTES] == 0
+                assert span[Attr.ALLREDUCE_LATENCY_MS] == 0.0
+            else:
+                assert span[Attr.ALLREDUCE_COUNT] == 1
+                assert span[Attr.ALLREDUCE_LATENCY_MS] > 0
+                expected_wire = numel * (2 if compression else 4)
+                assert span[Attr.BUCKET_WIRE_BYTES] == expected_wire
+            if compression:
+                assert span[Attr.COMPRESSION_DTYPE] == compression
+            else:
+                assert Attr.COMPRESSION_DTYPE not in span and Attr.COMPRESSION_RELATIVE_ERROR not in span
+        for measured, expected in result["errors"]:
+            assert measured == pytest.approx(expected, rel=1e-5)
+            assert 0 < measured < 0.05
+        assert len(result["errors"]) == (len(spans) if compression else 0)
+
+
+@pytest.mark.parametrize("name", [*HOOKS, "user_hook"])
+def test_metrics_agree_with_spans(two_rank_outcome: list[dict], name: str) -> None:
+    for outcome in two_rank_outcome:
+        result = outcome[name]
+        spans = result["spans"]
+        assert result["latency_count"] == len(spans)
+        assert result["bucket_bytes"] == sum(s[Attr.BUCKET_BYTES] for s in spans)
+        assert result["wire_bytes"] == sum(s[Attr.BUCKET_WIRE_BYTES] for s in spans)
+        assert result["error_count"] == (len(spans) if HOOKS.get(name, (0, None))[1] else None)
+        assert result["compute_count"] == 2  # steps 1 and 2 follow a completed step
+        assert 1.7e9 < result["last_step"] < 4e9  # a unix time
+
+
+def _overflow(rank: int, world_size: int) -> dict:
+    """fp16 overflow: gradients above float16's range turn into inf when compressed."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = TensorplayMetrics(CollectorRegistry())
+    hook = default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)
+    copies = BucketCopies(traced(hook, metrics=metrics, tracer_provider=provider))
+    train(rank, copies.hook, steps=1, lr=0.0, seed=0, loss_scale=1e9)
+    assert flush(30)
+    spans = [dict(s.attributes) for s in exporter.get_finished_spans()]
+    expected = {
+        key: int((~torch.isfinite(copy.to(torch.float16))).sum() - (~torch.isfinite(copy)).sum())
+        for key, copy in copies.copies.items()
+    }
+    return {
+        "span": {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s[Attr.COMPRESSION_NONFINITE] for s in spans},
+        "expected": expected,
+        "metric": metrics.registry.get_sample_value(
+            "tensorplay_nonfinite_elements_total", {"rank": str(rank), "hook": "fp16_compress_wrapper(allreduce_hook)"}
+        ),
+    }
+
+
+def test_fp16_overflow_is_counted_in_span_and_metric() -> None:
+    for outcome in run_ranks(_overflow, 2):
+        assert outcome["span"] == outcome["expected"]
+        total = sum(outcome["expected"].values())
+        assert total > 1000, "the test must actually overflow"
+        assert outcome["metric"] == total
+
+
+def _negative_cases(rank: int, world_size: int, busy_port: int, dead_endpoint: str) -> dict:
+    import tensorplay.telemetry.figures as figures
+    import tensorplay.telemetry.recorder as recorder
+    from tensorplay.telemetry import configure_tracing, disable_metrics, enable_metrics, metrics as metrics_module
+
+    result: dict[str, Any] = {}
+    # 1. No SDK, metrics off: no record is built and no figure computed.
+    built = []
+    original_init = recorder.BucketRecord.__init__
+    recorder.BucketRecord.__init__ = lambda self, **kw: (built.append(1), original_init(self, **kw))[1]
+    calls = []
+    original_error = figures.relative_error
+    figures.relative_error = lambda *a, **k: (calls.append(1), original_error(*a, **k))[1]
+    plain = train(rank, default_hooks.fp16_compress_hook)
+    quiet = train(rank, traced(default_hooks.fp16_compress_hook, error_every=1))
+    result["off: equal"] = all(torch.equal(a, b) for a, b in zip(plain, quiet))
+    result["off: records built"] = len(built)
+    result["off: errors computed"] = len(calls)
+    result["off: metrics"] = metrics_module.active_metrics() is None
+    recorder.BucketRecord.__init__ = original_init
+    figures.relative_error = original_error
+
+    # 2. A taken port: a warning, a counted error, training goes on.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = enable_metrics(port=busy_port - rank, addr="127.0.0.1")  # LOCAL_RANK is added
+    result["port: warning"] = [str(w.message) for w in caught if "cannot serve metrics" in str(w.message)]
+    result["port: counted"] = metrics.registry.get_sample_value(
+        "tensorplay_telemetry_errors_total", {"rank": str(rank), "reason": "metrics_port_unavailable"}
+    )
+    disable_metrics()
+
+    # 3. A collector that is down: training finishes with the same gradients; failures counted.
+    metrics = enable_metrics(port=0, addr="127.0.0.1", serve=False)
+    provider = configure_tracing(endpoint=dead_endpoint, service_name="test")
+    down = train(rank, traced(default_hooks.fp16_compress_hook))
+    result["down: equal"] = all(torch.equal(a, b) for a, b in zip(plain, down))
+    flush(30)
+    provider.force_flush(20_000)
+    result["down: failures"] = metrics.registry.get_sample_value(
+        "tensorplay_telemetry_errors_total", {"rank": str(rank), "reason": "span_export_failed"}
+    )
+    return result
+
+
+def test_off_port_taken_and_collector_down() -> None:
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        # Both ranks' base+LOCAL_RANK land on the one busy port.
+        outcomes = run_ranks(_negative_cases, 2, port, dead)
+    finally:
+        busy.close()
+    for outcome in outcomes:
+        assert outcome["off: equal"]
+        assert outcome["off: records built"] == 0
+        assert outcome["off: errors computed"] == 0
+        assert outcome["off: metrics"]
+        assert outcome["port: warning"] and str(port) in outcome["port: warning"][0]
+        assert outcome["port: counted"] == 1
+        assert outcome["down: equal"]
+        assert outcome["down: failures"] >= 1
+
+
+def _served(rank: int, world_size: int, base_port: int) -> dict:
+    from tensorplay.telemetry import enable_metrics
+
+    enable_metrics(port=base_port, addr="127.0.0.1")
+    train(rank, traced(default_hooks.fp16_compress_hook), steps=2)
+    flush(30)
+    url = f"http://127.0.0.1:{base_port + rank}"
+    body = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    try:
+        urllib.request.urlopen(url + "/", timeout=10)
+        other = 200
+    except urllib.error.HTTPError as error:
+        other = error.code
+    return {"body": body, "other": other}
+
+
+def test_each_rank_serves_metrics_on_base_port_plus_local_rank() -> None:
+    base = free_port()
+    while base + 1 == free_port():  # base+1 must be free too; almost always is
+        base = free_port()
+    for rank, outcome in enumerate(run_ranks(_served, 2, base)):
+        body = outcome["body"]
+        assert f'tensorplay_allreduce_latency_seconds_count{{hook="fp16_compress_hook",rank="{rank}"}}' in body
+        assert f'tensorplay_wire_bytes_total{{hook="fp16_compress_hook",rank="{rank}"}}' in body
+        assert outcome["other"] == 404
+
+
+def test_traced_keeps_wrapped_and_doc_and_is_named_for_ddp() -> None:
+    hook = traced(default_hooks.bf16_compress_hook)
+    assert hook.__wrapped__ is default_hooks.bf16_compress_hook
+    assert hook.__doc__ == default_hooks.bf16_compress_hook.__doc__
+    assert hook.__name__ == "traced(bf16_compress_hook)"
+    assert tensorplay.traced is traced
+    wrapped = traced(default_hooks.bf16_compress_wrapper(default_hooks.fp16_compress_hook))
+    assert wrapped.__name__ == "traced(bf16_compress_wrapper(fp16_compress_hook))"
+
+
+def test_traced_rejects_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="traced: expected a communication hook"):
+        traced("allreduce")
+    with pytest.raises(ValueError, match="error_every must be >= 0"):
+        traced(default_hooks.allreduce_hook, error_every=-1)
