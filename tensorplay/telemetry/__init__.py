@@ -1,10 +1,10 @@
 """Turns what the algorithms report into OpenTelemetry spans and Prometheus metrics.
 
 Public entry points: :func:`traced`, :func:`enable_metrics` / :func:`disable_metrics`,
-:func:`configure_tracing` and :func:`flush`.
+:func:`configure_tracing`, :func:`instrument_join` and :func:`flush`.
 """
 
-from . import join_telemetry  # noqa: F401  (exports every Join's timing)
+from .join_telemetry import instrument_join
 from .metrics import TensorplayMetrics, active_metrics, disable_metrics, enable_metrics
 from .resolver import flush
 from .traced import DEFAULT_ERROR_EVERY, traced
@@ -19,4 +19,5 @@ __all__ = [
     "active_metrics",
     "configure_tracing",
     "flush",
+    "instrument_join",
 ]

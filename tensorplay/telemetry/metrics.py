@@ -140,7 +140,10 @@ def enable_metrics(
                 )
                 metrics.count_error(_rank(), "metrics_port_unavailable")
         _active = metrics
-        return metrics
+    from .join_telemetry import instrument_join
+
+    instrument_join()
+    return metrics
 
 
 def disable_metrics() -> None:

@@ -1,0 +1,176 @@
+"""Benchmark: tensorplay's hooks vs torch's, and traced vs untraced, measured side by side.
+
+Two gloo ranks on this machine train one model per variant, several 25 MB buckets each; the
+variants of one hook take turns (A B C D A B C D ...) so that machine noise hits them alike.
+Prints the median step time of every variant and its ratio to the reference.
+
+    python bench/hooks_vs_torch.py [--rounds 7] [--steps 4] [--hooks allreduce_hook,fp16_compress_hook,...]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tensorplay import traced
+from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+WIDTH = 2048
+LAYERS = 8  # 8 x 16.8 MB of float32 parameters: five to six 25 MB buckets
+BATCH = 16
+
+
+def _forward_to(hook: Callable) -> Callable:
+    """torch's DDP refuses bf16 hook names on CPU builds; call them under another name."""
+
+    def bench_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return hook(state, bucket)
+
+    return bench_hook
+
+
+def _powersgd_variants() -> dict[str, dict[str, Callable[[], tuple[Any, Callable]]]]:
+    try:
+        from tensorplay.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ours
+    except ImportError:
+        return {}
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as theirs
+
+    def state(module: Any) -> Callable[[], Any]:
+        return lambda: module.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+
+    def sequential(hook: Callable) -> Callable:
+        # torch's hook hangs with several buckets on gloo unless each bucket finishes in turn.
+        def torch_powerSGD_sequential(st: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            fut = hook(st, bucket)
+            fut.wait()
+            return fut
+
+        return torch_powerSGD_sequential
+
+    return {
+        "powerSGD_hook": {
+            "torch (bucket by bucket)": lambda: (state(theirs)(), sequential(theirs.powerSGD_hook)),
+            "tensorplay": lambda: (state(ours)(), ours.powerSGD_hook),
+            "traced": lambda: (state(ours)(), traced(ours.powerSGD_hook)),
+            "traced error_every=1": lambda: (state(ours)(), traced(ours.powerSGD_hook, error_every=1)),
+        }
+    }
+
+
+def variants() -> dict[str, dict[str, Callable[[], tuple[Any, Callable]]]]:
+    """For each hook: variant name -> factory of (state, hook). The first variant is the reference."""
+    table: dict[str, dict[str, Callable[[], tuple[Any, Callable]]]] = {}
+    for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"):
+        ours = getattr(default_hooks, name)
+        theirs = getattr(torch_default, name)
+        table[name] = {
+            "torch": lambda theirs=theirs: (None, _forward_to(theirs)),
+            "tensorplay": lambda ours=ours: (None, _forward_to(ours)),
+            "traced": lambda ours=ours: (None, traced(ours)),
+            "traced error_every=1": lambda ours=ours: (None, traced(ours, error_every=1)),
+        }
+    table.update(_powersgd_variants())
+    return table
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=False)
+    model(batch).square().mean().backward()
+    optimizer.step()
+
+
+def _bench_rank(rank: int, world_size: int, port: int, hooks: list[str], rounds: int, steps: int, out: Any) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    from tensorplay.telemetry import enable_metrics
+
+    enable_metrics(serve=False)  # record metrics as a user would; nothing to scrape here
+    table = variants()
+    generator = torch.Generator().manual_seed(rank)
+    batch = torch.randn(BATCH, WIDTH, generator=generator)
+    results: dict[str, dict[str, list[float]]] = {}
+    for hook_name in hooks:
+        models = {}
+        for variant, factory in table[hook_name].items():
+            torch.manual_seed(0)
+            model = DDP(nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]))
+            state, hook = factory()
+            model.register_comm_hook(state, hook)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+            for _ in range(3):  # warm-up: DDP's bucket rebuild, PowerSGD's start iteration
+                _step(model, optimizer, batch)
+            models[variant] = (model, optimizer)
+        times: dict[str, list[list[float]]] = {variant: [] for variant in models}
+        for _ in range(rounds):
+            for variant, (model, optimizer) in models.items():
+                dist.barrier()
+                round_times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    _step(model, optimizer, batch)
+                    round_times.append(time.perf_counter() - start)
+                times[variant].append(round_times)
+        results[hook_name] = times
+        del models
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--hooks", default=",".join(variants()))
+    args = parser.parse_args()
+    hooks = args.hooks.split(",")
+    unknown = sorted(set(hooks) - set(variants()))
+    if unknown:
+        sys.exit(f"unknown hooks {unknown}; choose from {sorted(variants())}")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from ranks import free_port
+
+    context = mp.get_context("spawn")
+    out = context.SimpleQueue()
+    port = free_port()
+    processes = [
+        context.Process(target=_bench_rank, args=(rank, 2, port, hooks, args.rounds, args.steps, out))
+        for rank in range(2)
+    ]
+    for process in processes:
+        process.start()
+    results = out.get()
+    for process in processes:
+        process.join()
+    print(f"2 gloo ranks, {LAYERS} x Linear({WIDTH}, {WIDTH}) (~{LAYERS * WIDTH * WIDTH * 4 / 2**20:.0f} MB of "
+          f"gradients, 25 MB buckets), {args.rounds} interleaved rounds x {args.steps} steps per variant")
+    print(f"{'hook':<22}{'variant':<28}{'median step ms':>16}{'ratio':>8}{'ratio IQR':>16}")
+    for hook_name, times in results.items():
+        reference = next(iter(times.values()))
+        for variant, rounds in times.items():
+            median = statistics.median(t for round_times in rounds for t in round_times)
+            ratios = sorted(
+                statistics.median(mine) / statistics.median(ref) for mine, ref in zip(rounds, reference)
+            )
+            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            print(
+                f"{hook_name:<22}{variant:<28}{median * 1e3:>16.1f}{statistics.median(ratios):>8.3f}"
+                f"{f'{quartiles[0]:.3f}-{quartiles[2]:.3f}':>16}"
+            )
+    print("ratio: per round, this variant's median step time over the reference's (first row of the")
+    print("hook) in the same round; the median of those ratios, and their interquartile range.")
+
+
+if __name__ == "__main__":
+    main()
