@@ -1,0 +1,125 @@
+"""The Prometheus fixture works: a real server scrapes tensorplay-named series, evaluates the
+project's rules on them and keeps exemplars.
+
+Each "rank" here is a fresh CollectorRegistry served in-process by prometheus_client, with the
+contract's names and labels; the end-to-end test against ``tensorplay demo`` is elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+
+from .prometheus_server import PrometheusError, PrometheusServer, prometheus  # noqa: F401 (fixture)
+
+ALERTS_FILE = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules" / "tensorplay.alerts.yml"
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+class FakeRank:
+    """A rank's exposition: a fresh registry with a few tensorplay series, served on 127.0.0.1."""
+
+    def __init__(self, rank: int, compute_seconds: float) -> None:
+        self.rank = str(rank)
+        self.compute_seconds = compute_seconds
+        self.registry = CollectorRegistry()
+        self.latency = Histogram(
+            "tensorplay_allreduce_latency_seconds", "latency", ("rank", "hook"),
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.compute = Histogram(
+            "tensorplay_step_compute_seconds", "compute", ("rank",), buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.last_step = Gauge("tensorplay_last_step_timestamp_seconds", "last", ("rank",), registry=self.registry)
+        self.httpd, _thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self.target = f"127.0.0.1:{self.httpd.server_port}"
+
+    def step(self) -> None:
+        self.compute.labels(rank=self.rank).observe(self.compute_seconds)
+        self.latency.labels(rank=self.rank, hook="fp16_compress_hook").observe(0.004, {"trace_id": TRACE_ID})
+        self.last_step.labels(rank=self.rank).set(time.time())
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def two_ranks():
+    """Rank 0 computes 20 ms a step, rank 1 (a straggler) 80 ms; both step every 50 ms."""
+    ranks = [FakeRank(0, 0.02), FakeRank(1, 0.08)]
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            for rank in ranks:
+                rank.step()
+            stop.wait(0.05)
+
+    for rank in ranks:
+        rank.step()
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield ranks
+    stop.set()
+    thread.join(5)
+    for rank in ranks:
+        rank.close()
+
+
+def _straggler_expr() -> str:
+    groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
+    return next(r["expr"] for g in groups for r in g["rules"] if r.get("alert") == "TensorplayStragglerRank")
+
+
+def test_scrapes_evaluates_rules_and_keeps_exemplars(prometheus, two_ranks):
+    started = time.time()
+    server = prometheus([rank.target for rank in two_ranks], job="fixture")
+
+    targets = server.wait_for_targets_up(2)
+    assert {t["labels"]["job"] for t in targets} == {"fixture"}
+
+    samples = server.wait_for('tensorplay_last_step_timestamp_seconds{job="fixture"}', count=2)
+    assert {s["metric"]["rank"] for s in samples} == {"0", "1"}
+    assert {s["metric"]["instance"] for s in samples} == {rank.target for rank in two_ranks}
+
+    # The project's rule files are loaded and evaluated every second.
+    names = {group["name"] for group in server.rule_groups()}
+    assert {"tensorplay.rules", "tensorplay.alerts"} <= names
+    server.wait_for('job_rank:tensorplay_last_step_timestamp_seconds:lag{job="fixture"}', count=2)
+
+    # The straggler expression, read from the alert file, names rank 1 and only rank 1 -- and the
+    # alert is pending already: its `for:` is all that stands between it and firing.
+    expr = _straggler_expr()
+    server.wait_until(lambda: set(server.query_values(expr)) == {"1"}, 30, f"{expr} to name rank 1")
+    pending = server.wait_for('ALERTS{alertname="TensorplayStragglerRank", alertstate="pending"}')
+    assert [a["metric"]["rank"] for a in pending] == ["1"]
+
+    # Exemplars came through OpenMetrics and were stored with their trace_id.
+    def exemplars():
+        found = server.query_exemplars(
+            'tensorplay_allreduce_latency_seconds_bucket{job="fixture"}', started - 60, time.time() + 60
+        )
+        return [e for series in found for e in series["exemplars"]]
+
+    stored = server.wait_until(exemplars, 30, "exemplars")
+    assert {e["labels"]["trace_id"] for e in stored} == {TRACE_ID}
+
+
+def test_bad_query_raises(prometheus):
+    server = prometheus([])
+    with pytest.raises(PrometheusError, match="bad_data"):
+        server.query("rate(tensorplay_wire_bytes_total)")
+    assert server.query("1 + 1")[0]["value"][1] == "2"
+
+
+def test_missing_binary_raises(monkeypatch, tmp_path):
+    monkeypatch.setenv("TENSORPLAY_PROMETHEUS_BIN", str(tmp_path / "no-such-prometheus"))
+    with pytest.raises(PrometheusError, match="not installed"):
+        PrometheusServer([], tmp_path).start()
