@@ -1,0 +1,69 @@
+"""Join's per-rank timing as Prometheus serves it: read over HTTP from every rank's /metrics."""
+
+import time
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tensorplay import traced
+from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
+from tensorplay.distributed.algorithms.join import Join
+from tensorplay.telemetry import enable_metrics, flush
+
+from .ranks import free_port, run_ranks
+from .training import BUCKET_CAP_MB, make_model, rank_batch
+
+BASE_INPUTS = 4
+OFFSET = 3  # rank r trains on BASE_INPUTS + r * OFFSET batches
+
+
+def _samples(url: str) -> dict[tuple[str, tuple], float]:
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+    }
+
+
+def _uneven_training(rank: int, world_size: int, base_port: int) -> dict:
+    enable_metrics(port=base_port, addr="127.0.0.1")
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    model.register_comm_hook(None, traced(default_hooks.allreduce_hook))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    started = time.time()
+    for context in range(2):  # two Join contexts: the counter counts both
+        with Join([model]):
+            for step in range(BASE_INPUTS + rank * OFFSET):
+                optimizer.zero_grad()
+                model(rank_batch(rank, step)).square().mean().backward()
+                optimizer.step()
+    flush(30)
+    samples = _samples(f"http://127.0.0.1:{base_port + rank}/metrics")
+    return {"samples": samples, "started": started, "ended": time.time()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_join_timing_served_per_rank(world_size: int) -> None:
+    base = free_port()
+    outcomes = run_ranks(_uneven_training, world_size, base)
+    most = BASE_INPUTS + (world_size - 1) * OFFSET
+    joined_at = []
+    for rank, outcome in enumerate(outcomes):
+        samples = outcome["samples"]
+        label = (("rank", str(rank)),)
+        own = BASE_INPUTS + rank * OFFSET
+        assert samples[("tensorplay_join_shadow_iterations", label)] == most - own
+        assert samples[("tensorplay_join_last_joiner", label)] == (1.0 if own == most else 0.0)
+        assert samples[("tensorplay_joins_total", label)] == 2
+        assert samples[("tensorplay_join_wait_seconds_count", label)] == 2
+        joined = samples[("tensorplay_join_timestamp_seconds", label)]
+        assert outcome["started"] <= joined <= outcome["ended"]
+        joined_at.append(joined)
+        # Shadowed iterations are not this rank's own work: one compute observation per own
+        # iteration that follows a completed one, in each of the two contexts.
+        assert samples[("tensorplay_step_compute_seconds_count", label)] == 2 * own - 1
+    assert joined_at == sorted(joined_at), "ranks with fewer inputs join first"
