@@ -110,3 +110,50 @@ def test_wrappers_keep_torch_names_and_compose_display_names() -> None:
     assert wrapped.__name__ == "bf16_compress_wrapper_hook"
     assert hook_name(wrapped) == "bf16_compress_wrapper(fp16_compress_wrapper(allreduce_hook))"
     assert hook_name(default_hooks.fp16_compress_hook) == "fp16_compress_hook"
+
+
+def _registry_matches_torch(rank: int, world_size: int) -> dict:
+    from torch.distributed.algorithms import ddp_comm_hooks as torch_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tensorplay.distributed.algorithms import ddp_comm_hooks as our_hooks
+
+    from .training import BUCKET_CAP_MB, make_model, rank_batch
+
+    def trained(module: object, member: str) -> object:
+        model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        try:
+            module.register_ddp_comm_hook(getattr(module.DDPCommHookType, member), model, None)
+        except TypeError as error:  # torch's DDP refuses bf16 hooks without CUDA/NCCL
+            return f"TypeError: {error}"
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            optimizer.zero_grad()
+            model(rank_batch(rank, step)).square().mean().backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    report = {}
+    for member in our_hooks.DDPCommHookType.__members__:
+        ours, theirs = trained(our_hooks, member), trained(torch_hooks, member)
+        if isinstance(ours, str) or isinstance(theirs, str):
+            report[member] = ours == theirs
+        else:
+            report[member] = all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    return report
+
+
+def test_register_ddp_comm_hook_matches_torch_for_every_type() -> None:
+    for report in run_ranks(_registry_matches_torch, 2):
+        assert set(report) == {
+            "ALLREDUCE", "FP16_COMPRESS", "BF16_COMPRESS", "POWER_SGD", "POWER_SGD_RANK2",
+            "BATCHED_POWER_SGD", "BATCHED_POWER_SGD_RANK2", "NOOP",
+        }
+        assert all(report.values()), report
+
+
+def test_register_ddp_comm_hook_rejects_what_is_not_a_type() -> None:
+    from tensorplay.distributed.algorithms.ddp_comm_hooks import register_ddp_comm_hook
+
+    with pytest.raises(TypeError, match="comm_hook_type must be a DDPCommHookType"):
+        register_ddp_comm_hook("ALLREDUCE", None)

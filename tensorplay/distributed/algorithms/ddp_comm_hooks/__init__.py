@@ -16,6 +16,7 @@ from tensorplay.telemetry.traced import traced
 
 from . import debugging_hooks as debugging
 from . import default_hooks as default
+from . import powerSGD_hook as powerSGD
 
 if sys.version_info >= (3, 11):
     from enum import member as _enum_member
@@ -32,6 +33,22 @@ def _register(comm_hook: Callable, model: nn.Module, state: Any) -> None:
     model.register_comm_hook(state, comm_hook)
 
 
+def _register_powerSGD(
+    comm_hook: Callable,
+    model: nn.Module,
+    state: Any,
+    matrix_approximation_rank: int,
+    start_powerSGD_iter: int = 1_000,
+) -> None:
+    """Register a PowerSGD hook; ``state`` is the process group, as for the other hooks."""
+    powerSGD_state = powerSGD.PowerSGDState(
+        process_group=state,
+        matrix_approximation_rank=matrix_approximation_rank,
+        start_powerSGD_iter=start_powerSGD_iter,
+    )
+    model.register_comm_hook(powerSGD_state, comm_hook)
+
+
 class DDPCommHookType(Enum):
     """
     Enumerate tensorplay's communication hooks as ready-to-register partials.
@@ -44,6 +61,18 @@ class DDPCommHookType(Enum):
     ALLREDUCE = _enum_member(partial(_register, comm_hook=default.allreduce_hook))
     FP16_COMPRESS = _enum_member(partial(_register, comm_hook=default.fp16_compress_hook))
     BF16_COMPRESS = _enum_member(partial(_register, comm_hook=default.bf16_compress_hook))
+    POWER_SGD = _enum_member(
+        partial(_register_powerSGD, comm_hook=powerSGD.powerSGD_hook, matrix_approximation_rank=1)
+    )
+    POWER_SGD_RANK2 = _enum_member(
+        partial(_register_powerSGD, comm_hook=powerSGD.powerSGD_hook, matrix_approximation_rank=2)
+    )
+    BATCHED_POWER_SGD = _enum_member(
+        partial(_register_powerSGD, comm_hook=powerSGD.batched_powerSGD_hook, matrix_approximation_rank=1)
+    )
+    BATCHED_POWER_SGD_RANK2 = _enum_member(
+        partial(_register_powerSGD, comm_hook=powerSGD.batched_powerSGD_hook, matrix_approximation_rank=2)
+    )
     NOOP = _enum_member(partial(_register, comm_hook=debugging.noop_hook))
 
 
