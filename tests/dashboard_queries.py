@@ -1,0 +1,281 @@
+"""Read the PromQL out of tensorplay's Grafana dashboards, ready to run against a real Prometheus.
+
+``dashboard_queries(path, job=..., rank=..., rate_interval="1m")`` returns ``(panel title, expr)``
+pairs with the dashboard variables substituted the way Grafana does it, so an end-to-end test can
+execute every panel's query (``PrometheusServer.query``) and check that it returns data.
+
+The module also holds a small PromQL reader (:func:`selectors`) that the dashboard and rule tests
+use to check which metrics a query reads, with which label matchers and range.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple, Sequence
+
+__all__ = [
+    "CONTRACT_METRICS",
+    "DASHBOARD_DIR",
+    "RULE_DIR",
+    "Query",
+    "Selector",
+    "dashboard_paths",
+    "dashboard_queries",
+    "known_series",
+    "load_dashboard",
+    "recording_rule_names",
+    "panels",
+    "selectors",
+    "substitute",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD_DIR = REPO_ROOT / "dashboards"
+RULE_DIR = REPO_ROOT / "deploy" / "prometheus" / "rules"
+
+CONTRACT_METRICS: dict[str, str] = {
+    # The telemetry contract, section 3 (names are fixed) ...
+    "tensorplay_allreduce_latency_seconds": "histogram",
+    "tensorplay_bucket_bytes_total": "counter",
+    "tensorplay_wire_bytes_total": "counter",
+    "tensorplay_compression_error_ratio": "histogram",
+    "tensorplay_nonfinite_elements_total": "counter",
+    "tensorplay_step_compute_seconds": "histogram",
+    "tensorplay_last_step_timestamp_seconds": "gauge",
+    "tensorplay_join_timestamp_seconds": "gauge",
+    "tensorplay_join_shadow_iterations": "gauge",
+    "tensorplay_join_wait_seconds": "histogram",
+    "tensorplay_join_last_joiner": "gauge",
+    "tensorplay_joins_total": "counter",
+    # ... and its documented extension.
+    "tensorplay_telemetry_errors_total": "counter",
+}
+"""Every metric tensorplay exports, as the contract names it, with its type. Each carries `rank`."""
+
+
+def recording_rule_names() -> set[str]:
+    """The series the project's recording rules record."""
+    import yaml
+
+    names = set()
+    for path in sorted(RULE_DIR.glob("*.yml")):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            names.update(rule["record"] for rule in group["rules"] if "record" in rule)
+    return names
+
+
+def known_series() -> set[str]:
+    """Every series name a query may read: the contract's (histograms as _bucket/_sum/_count)
+    and the recording rules'."""
+    names = set()
+    for name, kind in CONTRACT_METRICS.items():
+        names.update((f"{name}_bucket", f"{name}_sum", f"{name}_count") if kind == "histogram" else (name,))
+    return names | recording_rule_names()
+
+
+class Query(NamedTuple):
+    """One panel query: the panel's title and its expression with variables substituted."""
+
+    title: str
+    expr: str
+
+
+def dashboard_paths() -> list[Path]:
+    """The dashboards the project ships (``dashboards/*.json``)."""
+    return sorted(DASHBOARD_DIR.glob("*.json"))
+
+
+def load_dashboard(path: Path | str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def panels(dashboard: dict) -> Iterator[dict]:
+    """Every panel that is not a row, including those nested in collapsed rows."""
+    for panel in dashboard.get("panels", []):
+        if panel.get("type") == "row":
+            yield from panel.get("panels", [])
+        else:
+            yield panel
+
+
+_REGEX_SPECIAL = re.compile(r"([\\^$.|?*+()\[\]{}])")
+
+
+def _regex_value(value: str | Sequence[str]) -> str:
+    """A variable's value inside ``=~"..."``: a regex as given, or several values as ``(a|b)``."""
+    if isinstance(value, str):
+        return value
+    values = [_REGEX_SPECIAL.sub(r"\\\1", str(v)).replace("\\", "\\\\") for v in value]
+    return values[0] if len(values) == 1 else "(" + "|".join(values) + ")"
+
+
+def substitute(expr: str, variables: dict[str, str | Sequence[str]], rate_interval: str = "1m") -> str:
+    """Replace ``$var`` / ``${var}`` / ``${var:format}`` and Grafana's interval macros in ``expr``.
+
+    A string value is used as it is (a regex such as ``.*``, Grafana's "All" for these dashboards);
+    a list of values becomes ``(a|b)`` with regex characters escaped, as Grafana formats a
+    multi-value variable for Prometheus. Raises ValueError if a ``$`` is left over.
+    """
+    out = expr.replace("$__rate_interval", rate_interval).replace("${__rate_interval}", rate_interval)
+    out = out.replace("$__interval", rate_interval).replace("${__interval}", rate_interval)
+
+    def replace(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in variables:
+            raise ValueError(f"no value given for ${name} in {expr!r}")
+        return _regex_value(variables[name])
+
+    out = re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", replace, out)
+    if "$" in out:
+        raise ValueError(f"unresolved variable in {out!r}")
+    return out
+
+
+def dashboard_queries(
+    path: Path | str,
+    job: str | Sequence[str] = ".*",
+    rank: str | Sequence[str] = ".*",
+    rate_interval: str = "1m",
+) -> list[Query]:
+    """Return ``(panel title, expr)`` for every query of every panel of the dashboard at ``path``.
+
+    Arguments:
+        job, rank: the variables' values -- a regex string (default ``.*``, i.e. "All") or a list
+            of values such as ``["0", "1"]``.
+        rate_interval: what ``$__rate_interval`` becomes (Grafana makes it at least four scrape
+            intervals; ``1m`` suits a 1 s scrape of a 60 s run).
+
+    Example::
+
+        for title, expr in dashboard_queries("dashboards/communication.json", job="demo"):
+            assert server.query(expr), title
+    """
+    dashboard = load_dashboard(path)
+    variables = {"job": job, "rank": rank}
+    return [
+        Query(panel.get("title", ""), substitute(target["expr"], variables, rate_interval))
+        for panel in panels(dashboard)
+        for target in panel.get("targets", [])
+        if target.get("expr") and not target.get("hide")
+    ]
+
+
+# -- a small PromQL reader ------------------------------------------------------------------------
+
+
+class Selector(NamedTuple):
+    """A vector selector of a query: metric name, label matchers ``{label: (op, value)}``, range."""
+
+    metric: str
+    matchers: dict[str, tuple[str, str]]
+    range: str | None
+
+
+_AGGREGATIONS = {
+    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk", "topk",
+    "quantile", "limitk", "limit_ratio",
+}
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset", "atan2"}
+_LABEL_LIST_AFTER = {"by", "without", "on", "ignoring", "group_left", "group_right"}
+_TOKEN = re.compile(
+    r"""
+    (?P<space>\s+|\#[^\n]*)
+  | (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)
+  | (?P<duration>(?:\d+(?:ms|[smhdwy]))+\b)
+  | (?P<number>0x[0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
+  | (?P<ident>[a-zA-Z_:][a-zA-Z0-9_:]*)
+  | (?P<variable>\$\{?\w+(?::\w+)?\}?)
+  | (?P<op>=~|!~|!=|==|<=|>=|[-+*/%^<>=(){}\[\],@:])
+    """,
+    re.VERBOSE,
+)
+
+
+def _tokens(expr: str) -> list[tuple[str, str]]:
+    tokens, pos = [], 0
+    while pos < len(expr):
+        match = _TOKEN.match(expr, pos)
+        if not match:
+            raise ValueError(f"cannot read {expr[pos:pos + 20]!r} in {expr!r}")
+        if match.lastgroup != "space":
+            tokens.append((match.lastgroup, match.group()))
+        pos = match.end()
+    return tokens
+
+
+def _unquote(text: str) -> str:
+    if text.startswith("`"):
+        return text[1:-1]
+    return json.loads('"' + text[1:-1].replace('\\"', '"').replace('"', '\\"') + '"')
+
+
+def selectors(expr: str) -> list[Selector]:
+    """Return the vector selectors of a PromQL expression, in order.
+
+    Knows enough PromQL for dashboards and rules: functions and aggregations (with ``by``/
+    ``without`` lists), binary operators with ``on``/``ignoring``/``group_left``/``group_right``
+    lists, matchers, ranges, ``offset``, numbers, strings. Raises ValueError on a selector without
+    a metric name (``{__name__=...}``), which the checks cannot follow.
+    """
+    tokens = _tokens(expr)
+    found: list[Selector] = []
+    i = 0
+    n = len(tokens)
+
+    def skip_parens(j: int) -> int:  # tokens[j] == "(", return index after the matching ")"
+        depth = 0
+        while j < n:
+            if tokens[j][1] == "(":
+                depth += 1
+            elif tokens[j][1] == ")":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        raise ValueError(f"unbalanced parentheses in {expr!r}")
+
+    while i < n:
+        kind, text = tokens[i]
+        nxt = tokens[i + 1][1] if i + 1 < n else ""
+        if kind == "op" and text == "{":
+            raise ValueError(f"selector without a metric name in {expr!r}")
+        if kind != "ident":
+            i += 1
+            continue
+        if text in _LABEL_LIST_AFTER:
+            i += 1
+            if i < n and tokens[i][1] == "(":
+                i = skip_parens(i)
+            continue
+        if text in _KEYWORDS or text.lower() in ("inf", "nan"):
+            i += 1
+            continue
+        if nxt == "(" or (text in _AGGREGATIONS and nxt in ("by", "without")):
+            i += 1  # a function or an aggregation
+            continue
+        # A metric name: read its matchers and range.
+        metric, matchers, rng = text, {}, None
+        i += 1
+        if i < n and tokens[i][1] == "{":
+            i += 1
+            while i < n and tokens[i][1] != "}":
+                if tokens[i][1] == ",":
+                    i += 1
+                    continue
+                label, op, value = tokens[i][1], tokens[i + 1][1], tokens[i + 2]
+                if value[0] != "string":
+                    raise ValueError(f"bad matcher {label}{op}{value[1]} in {expr!r}")
+                matchers[label] = (op, _unquote(value[1]))
+                i += 3
+            i += 1
+        if i < n and tokens[i][1] == "[":
+            j = i + 1
+            while j < n and tokens[j][1] != "]":
+                j += 1
+            rng = "".join(t[1] for t in tokens[i + 1:j])
+            i = j + 1
+        found.append(Selector(metric, matchers, rng))
+    return found
