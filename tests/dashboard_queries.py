@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 __all__ = [
     "CONTRACT_METRICS",

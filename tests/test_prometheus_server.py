@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
+from .dashboard_queries import dashboard_paths, dashboard_queries
 from .prometheus_server import PrometheusError, PrometheusServer, prometheus  # noqa: F401 (fixture)
 
 ALERTS_FILE = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules" / "tensorplay.alerts.yml"
@@ -110,6 +111,15 @@ def test_scrapes_evaluates_rules_and_keeps_exemplars(prometheus, two_ranks):
 
     stored = server.wait_until(exemplars, 30, "exemplars")
     assert {e["labels"]["trace_id"] for e in stored} == {TRACE_ID}
+
+    # Every dashboard query runs on the real server; those over the series served here answer.
+    answered = {}
+    for path in dashboard_paths():
+        for title, query in dashboard_queries(path, job="fixture", rank=["0", "1"], rate_interval="1m"):
+            answered[title] = answered.get(title, False) or bool(server.query(query))
+    for title in ("Allreduce latency p99 by rank and hook", "Allreduce latency distribution",
+                  "Straggler score (compute ÷ peers' median, 5m)", "Seconds behind the newest rank of the job"):
+        assert answered[title], title
 
 
 def test_bad_query_raises(prometheus):
