@@ -5,9 +5,10 @@ so swapping the import changes no gradient bit. Two things differ on purpose:
 
 * Every rank issues its collectives in one fixed order. torch's hooks launch the second round of a
   bucket's collectives from future callbacks, whose timing differs between ranks, so with several
-  buckets gloo pairs up collectives of different buckets and aborts or hangs. Here a bucket's
-  second round is launched by the hook call of the next bucket (DDP calls the hook bucket by
-  bucket, in index order, on every rank), and the last bucket's by its own call.
+  buckets gloo pairs up collectives of different buckets and aborts or hangs. Here every
+  collective is launched from a hook call, and DDP calls the hook bucket by bucket, in index
+  order, on every rank: a bucket's second round is launched by the call for the next bucket,
+  after its first round completed (it usually has by then), and the last bucket's by its own.
 * ``batched_powerSGD_hook`` hands its orthogonalization the batch it expects (torch's asserts on
   its first compressing step) and honours ``orthogonalization_epsilon``.
 
@@ -16,6 +17,7 @@ contribution, what compression made of it and, with error feedback, the residual
 anyway. Nothing is computed for telemetry when nobody traces the call.
 """
 
+import functools
 import logging
 import math
 from collections import defaultdict
@@ -62,15 +64,18 @@ class _SecondRound:
         except Exception as error:  # DDP raises it when it waits for this bucket
             self.result.set_exception(error)
             return
-        decompressed.add_done_callback(self._forward)
+        # The callback holds the result only, for the reason given in _finish.
+        decompressed.add_done_callback(functools.partial(_forward, self.result))
 
-    def _forward(self, done: torch.futures.Future[torch.Tensor]) -> None:
-        try:
-            value = done.value()
-        except Exception as error:
-            self.result.set_exception(error)
-            return
-        self.result.set_result(value)
+
+def _forward(result: torch.futures.Future[torch.Tensor], done: torch.futures.Future[torch.Tensor]) -> None:
+    """Complete ``result`` as ``done`` completed."""
+    try:
+        value = done.value()
+    except Exception as error:
+        result.set_exception(error)
+        return
+    result.set_result(value)
 
 
 class PowerSGDState:
@@ -327,19 +332,24 @@ def _incorporate_error(
 
 
 def _finish(
-    state: PowerSGDState,
+    errors: Optional[dict[int, torch.Tensor]],
     bucket_index: int,
     approximation: torch.Tensor,
     original: Optional[torch.Tensor],
     recorder: Optional[HookRecorder],
 ) -> None:
-    """Keep the new error and report the compression, once the bucket holds its approximation."""
+    """Keep the new error (in ``errors``, with error feedback) and report the compression.
+
+    Runs in a future callback once the bucket holds its approximation. It is handed the error
+    dict rather than the state: a callback holding the state, and through it the process group,
+    could drop the group's last reference on a gloo worker thread, which aborts the process.
+    """
     if approximation.is_cuda:
         torch.cuda.synchronize(approximation.device)
     residual = None
-    if state.use_error_feedback:
+    if errors is not None:
         residual = original - approximation
-        state.error_dict[bucket_index] = residual
+        errors[bucket_index] = residual
     if recorder is not None and original is not None:
         recorder.compression(_KIND, original, approximation, residual=residual)
 
@@ -521,6 +531,7 @@ def _compress_layers(
     tensor = bucket.buffer()
     bucket_index = bucket.index()
     original = _incorporate_error(state, bucket_index, tensor, recorder)
+    errors = state.error_dict if state.use_error_feedback else None
     if recorder is not None and original is None:
         recorder.compression(_KIND, tensor)  # no copy to compare with: the kind only
 
@@ -555,7 +566,7 @@ def _compress_layers(
         for batch, gradients in plan.stacked:
             for i, gradient in enumerate(gradients):
                 gradient.copy_(batch[i])
-        _finish(state, bucket_index, tensor, original, recorder)
+        _finish(errors, bucket_index, tensor, original, recorder)
         return tensor
 
     def second_round() -> torch.futures.Future[torch.Tensor]:
@@ -653,6 +664,7 @@ def _compress_square(
     square = _padded_square(tensor, side)
     _report_compression_stats(bucket, state)
     original = _incorporate_error(state, bucket_index, square, recorder)
+    errors = state.error_dict if state.use_error_feedback else None
     if recorder is not None and original is None:
         recorder.compression(_KIND, square)  # no copy to compare with: the kind only
 
@@ -665,7 +677,7 @@ def _compress_square(
     def decompress() -> torch.Tensor:
         q.div_(world_size)
         torch.matmul(p, q.t(), out=matrix)
-        _finish(state, bucket_index, square, original, recorder)
+        _finish(errors, bucket_index, square, original, recorder)
         if square is not tensor:
             tensor.copy_(square[:length])
         return tensor
