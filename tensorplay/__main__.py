@@ -1,0 +1,7 @@
+"""``python -m tensorplay``: the same command line as the ``tensorplay`` console script."""
+
+import sys
+
+from tensorplay.demo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,45 @@
+"""The communication hooks ``tensorplay demo`` can run, by name, each registered as ``traced(...)``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from tensorplay import traced
+from tensorplay.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+
+__all__ = ["HOOK_NAMES", "DEFAULT_HOOK", "traced_hook"]
+
+Hook = Callable[..., Any]
+
+
+def _powersgd(batched: bool) -> tuple[Hook, Any]:
+    from tensorplay.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    # Rank 1 compresses every layer of the demo model; error feedback starts after DDP's
+    # bucket rebuild (torch requires start_powerSGD_iter > 1 with error feedback).
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    return (powersgd.batched_powerSGD_hook if batched else powersgd.powerSGD_hook), state
+
+
+# name -> (hook, state) builder; PowerSGD's state is per model, so every call builds a new one.
+_HOOKS: dict[str, Callable[[], tuple[Hook, Any]]] = {
+    "allreduce_hook": lambda: (default_hooks.allreduce_hook, None),
+    "fp16_compress_hook": lambda: (default_hooks.fp16_compress_hook, None),
+    "bf16_compress_hook": lambda: (default_hooks.bf16_compress_hook, None),
+    "fp16_compress_wrapper(allreduce_hook)": lambda: (
+        default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook), None),
+    "bf16_compress_wrapper(allreduce_hook)": lambda: (
+        default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook), None),
+    "powerSGD_hook": lambda: _powersgd(batched=False),
+    "batched_powerSGD_hook": lambda: _powersgd(batched=True),
+    "noop_hook": lambda: (debugging_hooks.noop_hook, None),
+}
+
+HOOK_NAMES: tuple[str, ...] = tuple(_HOOKS)
+DEFAULT_HOOK = "fp16_compress_hook"
+
+
+def traced_hook(name: str) -> tuple[Hook, Any]:
+    """Return ``(traced(hook), state)`` for the hook called ``name``, ready for ``register_comm_hook``."""
+    hook, state = _HOOKS[name]()
+    return traced(hook), state

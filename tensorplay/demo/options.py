@@ -1,0 +1,99 @@
+"""The training job's flags, shared by ``tensorplay demo`` and the per-rank entry point.
+
+``tensorplay demo`` parses them, checks them against its ``--world-size`` and hands them on to
+every rank unchanged; under ``torchrun`` the entry point parses and checks the same flags itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .hooks import DEFAULT_HOOK, HOOK_NAMES
+
+__all__ = [
+    "add_job_arguments",
+    "job_problem",
+    "job_argv",
+    "extra_batches",
+    "DEFAULT_STEPS",
+    "DEFAULT_STRAGGLER_DELAY_MS",
+]
+
+DEFAULT_STEPS = 40
+DEFAULT_STRAGGLER_DELAY_MS = 40.0
+
+
+def extra_batches(steps: int) -> int:
+    """With ``--uneven``, rank r trains ``steps + r * extra_batches(steps)`` batches."""
+    return max(1, steps // 4)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of the training job itself (everything but how many ranks to start)."""
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="S",
+                        help=f"batches per rank (with --uneven, rank 0's count; default {DEFAULT_STEPS})")
+    parser.add_argument("--hook", default=DEFAULT_HOOK, choices=HOOK_NAMES, metavar="NAME",
+                        help=f"communication hook, registered as traced(NAME): {', '.join(HOOK_NAMES)} "
+                             f"(default {DEFAULT_HOOK})")
+    parser.add_argument("--straggler-rank", type=int, default=None, metavar="R",
+                        help="make rank R a straggler: it sleeps in its compute every step")
+    parser.add_argument("--straggler-delay-ms", type=float, default=DEFAULT_STRAGGLER_DELAY_MS, metavar="D",
+                        help=f"how long the straggler sleeps per step (default {DEFAULT_STRAGGLER_DELAY_MS:g})")
+    parser.add_argument("--uneven", action="store_true",
+                        help="uneven inputs: rank r trains S + r*max(1, S//4) batches, inside Join([ddp_model])")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                        help="rank serves /metrics on P + LOCAL_RANK (default $TENSORPLAY_METRICS_PORT, else 9400)")
+    parser.add_argument("--metrics-addr", default=None, metavar="ADDR",
+                        help="address the metrics endpoints bind (extra flag; default $TENSORPLAY_METRICS_ADDR, "
+                             "else 0.0.0.0; tensorplay demo binds 127.0.0.1)")
+    parser.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                        help="also export spans over OTLP to URL (default $OTEL_EXPORTER_OTLP_ENDPOINT if set)")
+    parser.add_argument("--run-dir", default=None, metavar="DIR",
+                        help="extra flag: where spans, per-rank results and logs go "
+                             "(tensorplay demo: a new or empty directory; default a fresh temporary one)")
+    parser.add_argument("--linger-s", type=float, default=0.0, metavar="SECONDS",
+                        help="extra flag: keep each rank and its metrics endpoint up this long after training, "
+                             "for a last scrape (default 0)")
+
+
+def job_problem(args: argparse.Namespace, world_size: int, local_world_size: int) -> str | None:
+    """Say what is wrong with the job's flags, or None if nothing is.
+
+    ``world_size`` ranks in all, ``local_world_size`` of them on this node (each serves metrics
+    on its own port).
+    """
+    if args.steps < 1:
+        return f"--steps must be at least 1, got {args.steps}"
+    if args.straggler_rank is not None:
+        if world_size < 2:
+            return "--straggler-rank needs peers to straggle behind: use --world-size 2 or more"
+        if not 0 <= args.straggler_rank < world_size:
+            return (f"--straggler-rank {args.straggler_rank} is not a rank of this job "
+                    f"(--world-size {world_size} has ranks 0..{world_size - 1})")
+    if args.straggler_delay_ms < 0:
+        return f"--straggler-delay-ms must be >= 0, got {args.straggler_delay_ms:g}"
+    if args.metrics_port is not None and not 0 < args.metrics_port <= 65536 - local_world_size:
+        return (f"--metrics-port {args.metrics_port}: the ranks serve on ports {args.metrics_port}.."
+                f"{args.metrics_port + local_world_size - 1}, which must lie within 1..65535")
+    if args.linger_s < 0:
+        return f"--linger-s must be >= 0, got {args.linger_s:g}"
+    return None
+
+
+def job_argv(args: argparse.Namespace) -> list[str]:
+    """Turn parsed job flags back into the command line every rank gets."""
+    argv = ["--steps", str(args.steps), "--hook", args.hook,
+            "--straggler-delay-ms", repr(args.straggler_delay_ms), "--linger-s", repr(args.linger_s)]
+    optional = {
+        "--straggler-rank": args.straggler_rank,
+        "--metrics-port": args.metrics_port,
+        "--metrics-addr": args.metrics_addr,
+        "--otlp-endpoint": args.otlp_endpoint,
+        "--run-dir": args.run_dir,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.uneven:
+        argv.append("--uneven")
+    return argv

@@ -1,0 +1,66 @@
+"""The files one demo run leaves in its run directory, and how they are written and read.
+
+Each rank writes its own files, so no two processes ever append to the same one:
+``progress-rank<r>.json`` (rewritten every step, polled by the launcher),
+``result-rank<r>.json`` (once, at the end), ``spans-rank<r>.jsonl`` (the exported spans),
+and torch's elastic launcher puts each rank's stdout/stderr under ``logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunDir", "write_json", "read_json"]
+
+
+class RunDir:
+    """Paths and JSON helpers of one run directory."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def progress(self, rank: int) -> Path:
+        """Where rank ``rank`` reports how far it got."""
+        return self.path / f"progress-rank{rank}.json"
+
+    def result(self, rank: int) -> Path:
+        """Where rank ``rank`` leaves what it measured once training ended."""
+        return self.path / f"result-rank{rank}.json"
+
+    def spans(self, rank: int) -> Path:
+        """The JSON-lines file rank ``rank`` exports its spans to."""
+        return self.path / f"spans-rank{rank}.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        """Where the elastic launcher redirects the ranks' stdout and stderr."""
+        return self.path / "logs"
+
+    def stderr_logs(self) -> dict[int, Path]:
+        """Each local rank's stderr log of the latest attempt, by local rank."""
+        logs: dict[int, Path] = {}
+        for log in sorted(self.logs.glob("*/attempt_*/*/stderr.log")):
+            logs[int(log.parent.name)] = log
+        return logs
+
+    def is_unused(self) -> bool:
+        """Whether the directory is missing or empty (a run never mixes with an older one)."""
+        return not self.path.exists() or (self.path.is_dir() and not any(self.path.iterdir()))
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Replace ``path`` with ``value`` atomically, so a reader never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value), encoding="utf-8")
+    os.replace(partial, path)
+
+
+def read_json(path: Path) -> Any | None:
+    """Return the JSON value at ``path``, or None if it is not there (yet)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,184 @@
+"""One rank of the demo's training job; ``tensorplay demo`` starts it, and so can ``torchrun``.
+
+It reads ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (and the rendezvous's ``MASTER_ADDR`` /
+``MASTER_PORT``) from the environment, so the same entry point runs on many nodes::
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m tensorplay.demo.train --steps 200 --hook powerSGD_hook
+
+Each rank trains a small MLP (several DDP buckets) on synthetic regression data over gloo with
+the chosen hook registered as ``traced(...)``, inside ``Join([ddp_model])`` when inputs are
+uneven, serves its metrics and exports its spans. With ``--run-dir`` it also leaves its progress,
+spans and results there for :mod:`tensorplay.demo.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tensorplay.distributed.algorithms.join import Join
+from opentelemetry.sdk.trace import TracerProvider
+
+from tensorplay.telemetry import TensorplayMetrics, configure_tracing, enable_metrics, flush
+from tensorplay.telemetry.metrics import served_address
+from tensorplay.telemetry.names import Metric
+
+from .hooks import traced_hook
+from .options import add_job_arguments, extra_batches, job_problem
+from .progress import ProgressWriter
+from .rundir import RunDir, write_json
+
+__all__ = ["main", "make_model", "batch_count"]
+
+IN_FEATURES = 128
+WIDTH = 384
+DEPTH = 6
+OUT_FEATURES = 16
+BATCH = 32
+BUCKET_CAP_MB = 1.0  # about 0.6 MB per hidden layer: DDP makes four or more buckets
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """Build the demo's MLP, identical on every rank."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(IN_FEATURES, WIDTH), nn.ReLU()]
+    for _ in range(DEPTH - 2):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    layers.append(nn.Linear(WIDTH, OUT_FEATURES))
+    return nn.Sequential(*layers)
+
+
+def batch_count(rank: int, steps: int, uneven: bool) -> int:
+    """How many batches ``rank`` trains: ``steps``, or more on higher ranks with uneven inputs."""
+    return steps + rank * extra_batches(steps) if uneven else steps
+
+
+class _SyntheticData:
+    """Regression targets from a fixed random teacher network; each rank draws its own inputs."""
+
+    def __init__(self, rank: int) -> None:
+        teacher = torch.Generator().manual_seed(1234)
+        self._teacher = torch.randn(IN_FEATURES, OUT_FEATURES, generator=teacher) / IN_FEATURES**0.5
+        self._inputs = torch.Generator().manual_seed(rank)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = torch.randn(BATCH, IN_FEATURES, generator=self._inputs)
+        return inputs, torch.tanh(inputs @ self._teacher)
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise SystemExit(f"tensorplay.demo.train: {name} is not set; start it with `tensorplay demo` or torchrun")
+    return int(value)
+
+
+def _metrics_figures(metrics: TensorplayMetrics, rank: int) -> dict[str, float | None]:
+    """This rank's compute time so far, as tensorplay's metric holds it."""
+    labels = {"rank": str(rank)}
+    sample = metrics.registry.get_sample_value
+    return {
+        "compute_seconds_sum": sample(f"{Metric.STEP_COMPUTE}_sum", labels),
+        "compute_seconds_count": sample(f"{Metric.STEP_COMPUTE}_count", labels),
+    }
+
+
+def _configure_tracing(args: argparse.Namespace, run_dir: RunDir | None, rank: int) -> TracerProvider | None:
+    """Export spans to the run directory's span file and, if an endpoint is known, over OTLP."""
+    otlp = bool(args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    span_file = str(run_dir.spans(rank)) if run_dir is not None else None
+    if not otlp and span_file is None:
+        return None
+    return configure_tracing(service_name="tensorplay-demo", endpoint=args.otlp_endpoint, otlp=otlp, span_file=span_file)
+
+
+def train(args: argparse.Namespace) -> None:
+    """Run this rank's part of the job described by ``args``."""
+    rank, local_rank, world_size = _env_int("RANK"), _env_int("LOCAL_RANK"), _env_int("WORLD_SIZE")
+    run_dir = RunDir(args.run_dir) if args.run_dir else None
+    if run_dir is not None:
+        run_dir.path.mkdir(parents=True, exist_ok=True)
+    metrics = enable_metrics(port=args.metrics_port, addr=args.metrics_addr)
+    served = served_address()
+    metrics_url = f"http://{served[0]}:{served[1]}/metrics" if served else None
+    provider = _configure_tracing(args, run_dir, rank)
+
+    dist.init_process_group("gloo")
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    hook, state = traced_hook(args.hook)
+    model.register_comm_hook(state, hook)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = _SyntheticData(rank)
+    batches = batch_count(rank, args.steps, args.uneven)
+    delay_s = args.straggler_delay_ms / 1e3 if args.straggler_rank == rank else 0.0
+    progress = ProgressWriter(run_dir, rank, batches, metrics_url) if run_dir is not None else None
+    started = time.perf_counter()
+    losses: list[float] = []
+
+    with Join([model], enable=args.uneven):
+        for step in range(batches):
+            inputs, targets = data.batch()
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(inputs), targets)
+            if delay_s:
+                time.sleep(delay_s)  # the injected straggler: slow compute between forward and backward
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if progress is not None:
+                progress.step_done(step + 1, losses[-1])
+            if rank == 0 and run_dir is None and (step + 1) % max(1, batches // 10) == 0:
+                print(f"rank 0: step {step + 1}/{batches}  loss {losses[-1]:.4f}", flush=True)
+
+    wall_s = time.perf_counter() - started
+    flush()
+    if provider is not None:
+        provider.force_flush()
+    if run_dir is not None:
+        write_json(run_dir.result(rank), {
+            "rank": rank,
+            "local_rank": local_rank,
+            "world_size": world_size,
+            "hook": args.hook,
+            "batches": batches,
+            "uneven": args.uneven,
+            "straggler_delay_ms": delay_s * 1e3,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+            "wall_seconds": wall_s,
+            "metrics_url": metrics_url,
+            **_metrics_figures(metrics, rank),
+        })
+    time.sleep(args.linger_s)
+    dist.destroy_process_group()
+    if provider is not None:
+        provider.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the job's flags, check them against ``WORLD_SIZE`` and train this rank."""
+    # The launcher forwards Ctrl-C as SIGINT; a rank may be blocked inside a collective, where a
+    # Python-level KeyboardInterrupt would wait for the peers that are stopping too: just exit.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    parser = argparse.ArgumentParser(prog="python -m tensorplay.demo.train", description=__doc__.split("\n\n")[0])
+    add_job_arguments(parser)
+    args = parser.parse_args(argv)
+    world_size = _env_int("WORLD_SIZE")
+    problem = job_problem(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if problem is not None:
+        parser.error(problem)
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
