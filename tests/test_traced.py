@@ -18,6 +18,7 @@ import tensorplay
 from tensorplay.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, traced
 from tensorplay.telemetry import TensorplayMetrics, flush
 from tensorplay.telemetry.names import Attr
+from tensorplay.telemetry.probe import describe_hook, hook_name, reports_collectives
 
 from .ranks import free_port, run_ranks
 from .training import passthrough, train
@@ -296,3 +297,72 @@ def test_traced_rejects_bad_arguments() -> None:
         traced("allreduce")
     with pytest.raises(ValueError, match="error_every must be >= 0"):
         traced(default_hooks.allreduce_hook, error_every=-1)
+
+
+def _traced_powersgd(rank: int, world_size: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+    from .training import BUCKET_CAP_MB, make_model, rank_batch
+
+    def run(hook: Any, traced_too: bool) -> tuple[list[torch.Tensor], list[dict], dict, dict]:
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        inputs: dict[tuple[int, int], torch.Tensor] = {}  # (step, bucket) -> bucket + previous error
+        residuals: dict[tuple[int, int], torch.Tensor] = {}
+        step = [0]
+
+        def observing_hook(st: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            previous = state.error_dict.get(bucket.index())
+            buffer = bucket.buffer()
+            inputs[(step[0], bucket.index())] = buffer.clone() + (previous if previous is not None else 0)
+            return hook(st, bucket)
+
+        describe_hook(observing_hook, hook_name(hook), reports_collectives(hook))
+        model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        model.register_comm_hook(
+            state,
+            traced(observing_hook, error_every=1, tracer_provider=provider) if traced_too else passthrough(hook),
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step[0] in range(5):
+            optimizer.zero_grad()
+            model(rank_batch(rank, step[0])).square().mean().backward()
+            optimizer.step()
+            residuals.update({(step[0], index): error.clone() for index, error in state.error_dict.items()})
+        flush(30)
+        spans = [dict(s.attributes) for s in exporter.get_finished_spans()]
+        return [p.detach().clone() for p in model.parameters()], spans, inputs, residuals
+
+    hook = powerSGD_hook
+    plain, _, _, _ = run(hook, traced_too=False)
+    traced_params, spans, inputs, residuals = run(hook, traced_too=True)
+    expected = {
+        key: float(residuals[key].norm() / inputs[key].norm()) for key in inputs if key in residuals and key[0] >= 2
+    }
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(plain, traced_params)),
+        "spans": spans,
+        "expected": expected,
+    }
+
+
+def test_traced_powersgd_reports_its_residual_and_keeps_gradients() -> None:
+    for outcome in run_ranks(_traced_powersgd, 2):
+        assert outcome["equal"]
+        compressed = [s for s in outcome["spans"] if s[Attr.STEP] >= 2]
+        warm_up = [s for s in outcome["spans"] if s[Attr.STEP] < 2]
+        assert compressed and warm_up
+        for span in warm_up:  # plain allreduce before start_powerSGD_iter: no compression
+            assert Attr.COMPRESSION_DTYPE not in span and span[Attr.ALLREDUCE_COUNT] == 1
+            assert span[Attr.BUCKET_WIRE_BYTES] == span[Attr.BUCKET_BYTES]
+        for span in compressed:
+            assert span[Attr.HOOK] == "powerSGD_hook"
+            assert span[Attr.COMPRESSION_DTYPE] == "powersgd"
+            assert 2 <= span[Attr.ALLREDUCE_COUNT] <= 3
+            assert 0 < span[Attr.BUCKET_WIRE_BYTES] < span[Attr.BUCKET_BYTES] / 10
+            key = (span[Attr.STEP], span[Attr.BUCKET_INDEX])
+            assert span[Attr.COMPRESSION_RELATIVE_ERROR] == pytest.approx(outcome["expected"][key], rel=1e-5)
