@@ -170,11 +170,15 @@ def render(ranks: list[RankSummary], verdict: Verdict, hook: str, run_dir: RunDi
     shadowing = [r for r in ranks if r.shadowed]
     if shadowing:
         lines.append("uneven inputs: " + ", ".join(f"rank {r.rank} shadowed {r.shadowed}" for r in shadowing)
-                     + " iterations inside Join; shadowed iterations are not compute, so uneven inputs "
-                     "never make a rank a straggler")
+                     + " iterations inside Join (uneven inputs, not stragglers: shadowing is not compute)")
     urls = [r.metrics_url for r in ranks if r.metrics_url]
-    lines += ["", "allreduce p50: median per bucket over the steps every rank trained; rel. error: mean "
-                  "||x - x^||/||x|| of the sampled buckets; compute mean: tensorplay_step_compute_seconds",
+    common_steps = min(r.batches for r in ranks)
+    lines += ["",
+              f"allreduce p50: median per bucket over the {common_steps} steps every rank trained;  "
+              "wire sent / handed over: every hook call, shadowed iterations included",
+              "rel. error: mean ||x - x^|| / ||x|| of the sampled buckets (every 10th step by default);  "
+              "compute mean: tensorplay_step_compute_seconds, this rank's own work per iteration",
               f"spans: {run_dir.path}/spans-rank*.jsonl   rank logs: {run_dir.logs}",
-              "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")]
+              "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")
+              + " (--linger-s keeps them up after training)"]
     return "\n".join(lines)

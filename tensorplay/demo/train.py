@@ -98,7 +98,7 @@ def _configure_tracing(args: argparse.Namespace, run_dir: RunDir | None, rank: i
     span_file = str(run_dir.spans(rank)) if run_dir is not None else None
     if not otlp and span_file is None:
         return None
-    return configure_tracing(service_name="tensorplay-demo", endpoint=args.otlp_endpoint, otlp=otlp, span_file=span_file)
+    return configure_tracing(endpoint=args.otlp_endpoint, otlp=otlp, span_file=span_file)
 
 
 def train(args: argparse.Namespace) -> None:
