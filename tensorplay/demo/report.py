@@ -106,7 +106,7 @@ def straggler_verdict(ranks: list[RankSummary]) -> Verdict:
     """Name the rank whose compute is well above its peers' while its allreduce latency is lowest."""
     measured = [r for r in ranks if r.compute_ms_mean is not None and r.latency_ms_p50 is not None]
     if len(measured) < 2:
-        return Verdict(None, "n/a: needs two or more ranks with compute time and allreduce latency measured")
+        return Verdict(None, "n/a (needs two or more ranks with compute time and allreduce latency measured)")
     slowest = max(measured, key=lambda r: r.compute_ms_mean)
     peers = [r for r in measured if r is not slowest]
     peer_compute = statistics.median(r.compute_ms_mean for r in peers)
