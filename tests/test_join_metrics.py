@@ -67,3 +67,29 @@ def test_join_timing_served_per_rank(world_size: int) -> None:
         # iteration that follows a completed one, in each of the two contexts.
         assert samples[("tensorplay_step_compute_seconds_count", label)] == 2 * own - 1
     assert joined_at == sorted(joined_at), "ranks with fewer inputs join first"
+
+
+def _join_span(rank: int, world_size: int) -> dict:
+    """An application that set up the OpenTelemetry SDK itself gets a join span per rank."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    with Join([model]):
+        for step in range(2 + 2 * rank):
+            model(rank_batch(rank, step)).square().mean().backward()
+    return {span.name: dict(span.attributes) for span in exporter.get_finished_spans()}
+
+
+def test_join_span_when_the_application_configured_the_sdk() -> None:
+    for rank, spans in enumerate(run_ranks(_join_span, 2)):
+        assert spans["tensorplay.join"]["tensorplay.rank"] == rank
+        assert spans["tensorplay.join"]["tensorplay.join.shadow_iterations"] == (2 if rank == 0 else 0)
+        assert spans["tensorplay.join"]["tensorplay.join.last_joiner"] == (rank == 1)
+        assert spans["tensorplay.join"]["tensorplay.world_size"] == 2

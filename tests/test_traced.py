@@ -366,3 +366,20 @@ def test_traced_powersgd_reports_its_residual_and_keeps_gradients() -> None:
             assert 0 < span[Attr.BUCKET_WIRE_BYTES] < span[Attr.BUCKET_BYTES] / 10
             key = (span[Attr.STEP], span[Attr.BUCKET_INDEX])
             assert span[Attr.COMPRESSION_RELATIVE_ERROR] == pytest.approx(outcome["expected"][key], rel=1e-5)
+
+
+def _from_environment(rank: int, world_size: int, base_port: int) -> dict:
+    import os
+
+    os.environ["TENSORPLAY_METRICS_PORT"] = str(base_port)
+    os.environ["TENSORPLAY_METRICS_ADDR"] = "127.0.0.1"
+    train(rank, traced(default_hooks.allreduce_hook), steps=2)
+    flush(30)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{base_port + rank}/metrics", timeout=10).read().decode()
+    return {"body": body}
+
+
+def test_torchrun_environment_turns_metrics_on() -> None:
+    base = free_port()
+    for rank, outcome in enumerate(run_ranks(_from_environment, 2, base)):
+        assert f'tensorplay_step_compute_seconds_count{{rank="{rank}"}} 1.0' in outcome["body"]

@@ -1,10 +1,10 @@
 """Turns what the algorithms report into OpenTelemetry spans and Prometheus metrics.
 
 Public entry points: :func:`traced`, :func:`enable_metrics` / :func:`disable_metrics`,
-:func:`configure_tracing`, :func:`instrument_join` and :func:`flush`.
+:func:`configure_tracing` and :func:`flush`.
 """
 
-from .join_telemetry import instrument_join
+from . import join_telemetry  # noqa: F401  (exports every Join's timing)
 from .metrics import TensorplayMetrics, active_metrics, disable_metrics, enable_metrics
 from .resolver import flush
 from .traced import DEFAULT_ERROR_EVERY, traced
@@ -19,5 +19,4 @@ __all__ = [
     "active_metrics",
     "configure_tracing",
     "flush",
-    "instrument_join",
 ]

@@ -5,7 +5,7 @@ from .metrics import active_metrics
 from .names import JOIN_SPAN_NAME, Attr
 from .tracing import tracer
 
-__all__ = ["record_join", "instrument_join"]
+__all__ = ["record_join"]
 
 
 def record_join(report: probe.JoinReport) -> None:
@@ -32,12 +32,6 @@ def record_join(report: probe.JoinReport) -> None:
         span.end(end_time=int(report.all_joined_unix * 1e9))
 
 
-
-def instrument_join() -> None:
-    """Have every ``Join`` from now on measured and exported (idempotent).
-
-    :func:`~tensorplay.telemetry.enable_metrics` and
-    :func:`~tensorplay.telemetry.configure_tracing` call it; call it yourself when your
-    application sets up the OpenTelemetry SDK on its own. Until then ``Join`` measures nothing.
-    """
-    probe.add_join_listener(record_join)
+# Join measures only while someone listens; this listener exports to whatever is on (metrics,
+# an SDK tracer provider) and does nothing otherwise. A Join costs a few clock reads per context.
+probe.add_join_listener(record_join)

@@ -140,9 +140,6 @@ def enable_metrics(
                 )
                 metrics.count_error(_rank(), "metrics_port_unavailable")
         _active = metrics
-    from .join_telemetry import instrument_join
-
-    instrument_join()
     return metrics
 
 

@@ -150,7 +150,4 @@ def configure_tracing(
         provider.add_span_processor(BatchSpanProcessor(_CountingExporter(_otlp_exporter(endpoint, protocol, timeout_s))))
     if span_file is not None:
         provider.add_span_processor(BatchSpanProcessor(_CountingExporter(JsonLinesSpanExporter(span_file))))
-    from .join_telemetry import instrument_join
-
-    instrument_join()
     return provider
