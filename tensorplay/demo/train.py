@@ -27,8 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tensorplay.distributed.algorithms.join import Join
 from opentelemetry.sdk.trace import TracerProvider
 
-from tensorplay.telemetry import TensorplayMetrics, configure_tracing, enable_metrics, flush
-from tensorplay.telemetry.metrics import served_address
+from tensorplay.telemetry import TensorplayMetrics, configure_tracing, enable_metrics, flush, served_address
 from tensorplay.telemetry.names import Metric
 
 from .hooks import traced_hook

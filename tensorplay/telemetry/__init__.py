@@ -5,7 +5,7 @@ Public entry points: :func:`traced`, :func:`enable_metrics` / :func:`disable_met
 """
 
 from . import join_telemetry  # noqa: F401  (exports every Join's timing)
-from .metrics import TensorplayMetrics, active_metrics, disable_metrics, enable_metrics
+from .metrics import TensorplayMetrics, active_metrics, disable_metrics, enable_metrics, served_address
 from .resolver import flush
 from .traced import DEFAULT_ERROR_EVERY, traced
 from .tracing import configure_tracing
@@ -17,6 +17,7 @@ __all__ = [
     "enable_metrics",
     "disable_metrics",
     "active_metrics",
+    "served_address",
     "configure_tracing",
     "flush",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "enable_metrics",
     "disable_metrics",
     "active_metrics",
+    "served_address",
     "DEFAULT_METRICS_PORT",
     "DEFAULT_METRICS_ADDR",
 ]
