@@ -1,0 +1,312 @@
+"""End to end: a real Prometheus scrapes a real ``tensorplay demo`` run and the project's rules,
+alerts and dashboards give the right answers on it.
+
+Each test starts Prometheus from Debian's package (``tests/prometheus_server.py``: loopback, 1 s
+scrape and rule evaluation, ``--enable-feature=exemplar-storage``, the rule files of
+``deploy/prometheus/rules/``; a missing binary fails the test), then runs ``python -m tensorplay
+demo`` as a user does, its ranks serving ``/metrics`` on free ports of 127.0.0.1 that are the
+server's targets, under a ``job`` label of the test's own.
+
+When to look. The runs are short, so every check is made at ONE instant ``at`` of the TSDB: the
+first rule evaluation after Prometheus scraped the ranks' final values (every rank has written
+its result file, which it does after training and flushing its telemetry) while the ranks still
+serve them (``--linger-s``). Gauges -- and the rules and panels built on them -- end with the
+scrape targets, so ``at`` must fall inside the linger; the tests poll for it with a bounded
+timeout instead of sleeping, and then query with ``time=at`` so that how late the test gets
+there does not matter.
+
+Timing margins (measured here: a rank's own compute per step is ~8-11 ms on this machine's CPU,
+2 or 3 ranks sharing 2 cores): the straggler sleeps 100 ms per step, so its score is ~10 and the
+threshold (> 1.5x and > 10 ms above the peers' median) would hold even if the other rank's
+compute grew twenty-fold under load.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .dashboard_queries import dashboard_paths, dashboard_queries, selectors
+from .prometheus_server import RULE_FILES, PrometheusServer, prometheus  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.timeout(150)
+
+ALERTS_FILE = next(path for path in RULE_FILES if path.name == "tensorplay.alerts.yml")
+LINGER_S = 10.0  # ranks keep serving after training: the final scrape + rule evaluation fit well inside
+STRAGGLER_DELAY_MS = 100.0
+RUN_TIMEOUT_S = 90.0  # start-up of the ranks (torch imports on a loaded 2-core machine) + training
+UNEVEN_THRESHOLD = 10  # TensorplayUnevenInputs: >= 10 shadowed iterations (deploy/README.md)
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def alert_expr(name: str) -> str:
+    """The expression of alert ``name``, as deploy/prometheus/rules/tensorplay.alerts.yml has it."""
+    groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
+    return next(rule["expr"] for group in groups for rule in group["rules"] if rule.get("alert") == name)
+
+
+def _free_base_port(count: int) -> int:
+    """A port P such that P .. P+count-1 are all free on 127.0.0.1 right now."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+@dataclass
+class ScrapedRun:
+    """A demo run scraped by ``server`` under ``job``; ``at`` is when to look (see the module doc)."""
+
+    server: PrometheusServer
+    job: str
+    world_size: int
+    run_dir: Path
+    started: float
+    at: float
+    process: subprocess.Popen
+    stdout_path: Path
+    stderr_path: Path
+
+    @property
+    def ranks(self) -> list[str]:
+        return [str(rank) for rank in range(self.world_size)]
+
+    def query(self, expr: str) -> list[dict]:
+        """``expr`` at ``at``; only this run's job (a server could hold several)."""
+        return [s for s in self.server.query(expr, at=self.at) if s["metric"].get("job", self.job) == self.job]
+
+    def values(self, expr: str) -> dict[str, float]:
+        """``{rank: value}`` of ``expr`` at ``at``."""
+        return {s["metric"].get("rank", ""): float(s["value"][1]) for s in self.query(expr)}
+
+    def output(self) -> str:
+        return self.stdout_path.read_text() + self.stderr_path.read_text()
+
+    def finish(self) -> str:
+        """Wait for the demo to exit (the linger ends it), assert it succeeded; return its stdout."""
+        try:
+            self.process.wait(timeout=LINGER_S + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the demo did not exit after its linger:\n{self.output()}")
+        assert self.process.returncode == 0, self.output()
+        return self.stdout_path.read_text()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop a demo still running (a failed check): Ctrl-C makes the elastic agent stop every rank."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _wait(what: str, predicate, timeout: float, process: subprocess.Popen, output) -> object:
+    """Poll ``predicate`` until truthy; fail with the demo's output on timeout or if it exited early."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if process.poll() is not None:
+            pytest.fail(f"the demo exited ({process.returncode}) before {what}:\n{output()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}:\n{output()}")
+        time.sleep(0.2)
+
+
+def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *flags: str):
+    """Start Prometheus and ``python -m tensorplay demo``; return a ScrapedRun once ``at`` is known.
+
+    The caller checks, then calls ``finish()``; on a failed check it stops the demo with ``_stop``.
+    """
+    port = _free_base_port(world_size)
+    server = prometheus([f"127.0.0.1:{port + rank}" for rank in range(world_size)], job=job)
+    run_dir = tmp_path / "run"
+    stdout_path, stderr_path = tmp_path / "demo.stdout", tmp_path / "demo.stderr"
+    command = [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size),
+               "--metrics-port", str(port), "--linger-s", repr(LINGER_S), "--run-dir", str(run_dir), *flags]
+    started = time.time()
+    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True)
+    run = ScrapedRun(server, job, world_size, run_dir, started, 0.0, process, stdout_path, stderr_path)
+    try:
+        # 1. Training is over on every rank and its telemetry flushed: the served values are final.
+        _wait("every rank's result file",
+              lambda: all((run_dir / f"result-rank{rank}.json").exists() for rank in range(world_size)),
+              RUN_TIMEOUT_S, process, run.output)
+        final = time.time()
+        # 2. Prometheus has scraped every rank since then ...
+        _wait("a scrape of every rank after training",
+              lambda: len(server.query(f'timestamp(tensorplay_last_step_timestamp_seconds{{job="{job}"}}) '
+                                       f'>= {final:.3f}')) == world_size,
+              LINGER_S, process, run.output)
+        scraped = time.time()
+        # 3. ... and evaluated the recording rules on those scrapes (while the targets are up).
+        recorded = _wait(
+            "a rule evaluation after the final scrape",
+            lambda: (lambda r: r if len(r) == world_size else None)(server.query(
+                f'timestamp(job_rank:tensorplay_last_step_timestamp_seconds:max{{job="{job}"}}) > {scraped:.3f}')),
+            LINGER_S, process, run.output)
+        run.at = min(float(s["value"][1]) for s in recorded)
+    except BaseException:
+        _stop(process)
+        raise
+    return run
+
+
+def check_dashboards(run: ScrapedRun) -> dict[str, int]:
+    """Run every dashboard query on the run's data (both runs have uneven inputs, so Join's panels
+    have data too). Each must execute, and answer unless it legitimately has nothing to show:
+    "Stalled ranks" (a threshold panel: no rank is a minute behind) and "Telemetry errors" (the
+    run had no telemetry problem), which must then be empty. Returns ``{title: series}``."""
+    stalled_title = "Stalled ranks"
+    titles = set()
+    answered: dict[str, int] = {}
+    missing, unexpected = [], []
+    for path in dashboard_paths():
+        for title, expr in dashboard_queries(path, job=run.job, rank=run.ranks, rate_interval="1m"):
+            titles.add(title)
+            result = run.query(expr)  # raises PrometheusError on a query Prometheus rejects
+            answered[title] = answered.get(title, 0) + len(result)
+            empty_expected = title == stalled_title or any(
+                s.metric == "tensorplay_telemetry_errors_total" for s in selectors(expr))
+            if empty_expected and result:
+                unexpected.append((path.name, title, expr, result))
+            elif not empty_expected and not result:
+                missing.append((path.name, title, expr))
+    assert stalled_title in titles, "the dashboards have no 'Stalled ranks' panel any more: update this test"
+    assert not missing, f"dashboard queries without data: {missing}"
+    assert not unexpected, f"dashboard queries with data where none is expected: {unexpected}"
+    return answered
+
+
+def _spans(run: ScrapedRun) -> dict[str, dict]:
+    """Every span the demo exported to its run directory, by trace id (hex, no 0x)."""
+    spans = {}
+    for rank in run.ranks:
+        for line in (run.run_dir / f"spans-rank{rank}.jsonl").read_text().splitlines():
+            span = json.loads(line)
+            spans[span["context"]["trace_id"].removeprefix("0x")] = span
+    return spans
+
+
+# -- tests ------------------------------------------------------------------------------------------
+
+
+def test_straggler_run_names_the_straggler_and_every_panel_answers(prometheus, tmp_path: Path) -> None:
+    """2 ranks, rank 1 sleeps 100 ms a step, uneven inputs (36 / 45 batches: rank 0 shadows 9
+    iterations, one below TensorplayUnevenInputs' threshold): the straggler expression names rank 1
+    and only rank 1, the uneven-inputs expression nobody; the latency histogram's exemplars are the
+    demo's own spans; every dashboard query answers."""
+    job = "e2e-straggler"
+    run = run_scraped_demo(prometheus, tmp_path, job, 2, "--steps", "36", "--uneven", "--straggler-rank", "1",
+                           "--straggler-delay-ms", repr(STRAGGLER_DELAY_MS))
+    try:
+        scores = run.values(f'job_rank:tensorplay_step_compute_seconds:straggler_score5m{{job="{job}"}}')
+        means = run.values(f'job_rank:tensorplay_step_compute_seconds:mean5m{{job="{job}"}}')
+        print(f"\nstraggler run: compute mean per rank {means}, straggler score per rank {scores}")
+        assert set(scores) == {"0", "1"}, scores  # both ranks are scored: rank 0's silence is a verdict
+
+        named = run.values(alert_expr("TensorplayStragglerRank"))
+        assert set(named) == {"1"}, (named, scores, means)
+        assert named["1"] == pytest.approx(scores["1"])  # the alert's value is the score
+        assert means["1"] - means["0"] >= STRAGGLER_DELAY_MS / 1e3 * 0.9, means
+
+        shadowed = run.values(f'tensorplay_join_shadow_iterations{{job="{job}"}}')
+        assert shadowed == {"0": UNEVEN_THRESHOLD - 1, "1": 0.0}, shadowed
+        assert run.values(alert_expr("TensorplayUnevenInputs")) == {}, shadowed
+        assert run.values(alert_expr("TensorplayRankStalled")) == {}
+        assert run.values(alert_expr("TensorplayGradientOverflow")) == {}
+
+        # Exemplars: the latency histogram carries the trace ids of the demo's own spans.
+        series = run.server.query_exemplars(
+            f'tensorplay_allreduce_latency_seconds_bucket{{job="{job}"}}', run.started - 10, run.at)
+        spans = _spans(run)
+        seen_ranks = set()
+        for one in series:
+            labels = one["seriesLabels"]
+            for exemplar in one["exemplars"]:
+                trace_id = exemplar["labels"]["trace_id"]
+                assert trace_id in spans, f"exemplar {exemplar} has no span in {run.run_dir}"
+                attributes = spans[trace_id]["attributes"]
+                assert str(attributes["tensorplay.rank"]) == labels["rank"]
+                assert attributes["tensorplay.hook"] == labels["hook"]
+                assert float(exemplar["value"]) == pytest.approx(attributes["tensorplay.allreduce.latency_ms"] / 1e3)
+                assert float(exemplar["value"]) <= float(labels["le"])
+                seen_ranks.add(labels["rank"])
+        assert seen_ranks == {"0", "1"}, series
+        print(f"exemplars: {sum(len(s['exemplars']) for s in series)} on {len(series)} bucket series, "
+              f"{len(spans)} spans exported")
+
+        answered = check_dashboards(run)
+        print(f"dashboard series per panel: {answered}")
+    except BaseException:
+        _stop(run.process)
+        raise
+    stdout = run.finish()
+    assert "straggler: rank 1 " in stdout, stdout
+
+
+def test_uneven_run_without_straggler(prometheus, tmp_path: Path) -> None:
+    """3 ranks, no straggler, uneven inputs (160 / 200 / 240 batches: ranks 0 and 1 shadow 80 and
+    40 iterations): the straggler expression returns nothing although every rank is scored (and
+    shadowing is no compute); TensorplayUnevenInputs' expression names ranks 0 and 1 (>= 10), not
+    rank 2; every dashboard query answers.
+
+    The batch count is what keeps rank 0 -- whose compute observations end when it joins --
+    stepping across several 1 s scrapes (~4 s here): a rate needs two scrapes that saw it step.
+    """
+    job = "e2e-uneven"
+    run = run_scraped_demo(prometheus, tmp_path, job, 3, "--steps", "160", "--uneven")
+    try:
+        scores = run.values(f'job_rank:tensorplay_step_compute_seconds:straggler_score5m{{job="{job}"}}')
+        print(f"\nuneven run: straggler score per rank {scores}")
+        assert set(scores) == {"0", "1", "2"}, f"a rank was not scored (too few scrapes saw it step?): {scores}"
+        assert run.values(alert_expr("TensorplayStragglerRank")) == {}, scores
+
+        shadowed = run.values(f'tensorplay_join_shadow_iterations{{job="{job}"}}')
+        print(f"shadowed iterations per rank {shadowed}")
+        assert shadowed == {"0": 80.0, "1": 40.0, "2": 0.0}
+        uneven = run.values(alert_expr("TensorplayUnevenInputs"))
+        assert uneven == {rank: n for rank, n in shadowed.items() if n >= UNEVEN_THRESHOLD} == {"0": 80.0, "1": 40.0}
+
+        assert run.values(alert_expr("TensorplayRankStalled")) == {}
+        assert run.values(alert_expr("TensorplayGradientOverflow")) == {}
+
+        answered = check_dashboards(run)
+        print(f"dashboard series per panel: {answered}")
+    except BaseException:
+        _stop(run.process)
+        raise
+    stdout = run.finish()
+    assert "straggler: none" in stdout, stdout
+
