@@ -128,6 +128,13 @@ def _bench_rank(rank: int, world_size: int, port: int, hooks: list[str], rounds:
     dist.destroy_process_group()
 
 
+def _ratio_columns(rounds: list[list[float]], reference: list[list[float]]) -> str:
+    """Median and interquartile range of the per-round ratios of median step times."""
+    ratios = sorted(statistics.median(mine) / statistics.median(ref) for mine, ref in zip(rounds, reference))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return f"{statistics.median(ratios):>10.3f}{f'{quartiles[0]:.3f}-{quartiles[2]:.3f}':>13}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -155,21 +162,20 @@ def main() -> None:
         process.join()
     print(f"2 gloo ranks, {LAYERS} x Linear({WIDTH}, {WIDTH}) (~{LAYERS * WIDTH * WIDTH * 4 / 2**20:.0f} MB of "
           f"gradients, 25 MB buckets), {args.rounds} interleaved rounds x {args.steps} steps per variant")
-    print(f"{'hook':<22}{'variant':<28}{'median step ms':>16}{'ratio':>8}{'ratio IQR':>16}")
+    print(f"{'hook':<22}{'variant':<24}{'median ms':>10}{'vs torch':>10}{'IQR':>13}{'vs untraced':>13}{'IQR':>13}")
     for hook_name, times in results.items():
-        reference = next(iter(times.values()))
+        torch_rounds = times[next(iter(times))]
+        untraced_rounds = times["tensorplay"]
         for variant, rounds in times.items():
             median = statistics.median(t for round_times in rounds for t in round_times)
-            ratios = sorted(
-                statistics.median(mine) / statistics.median(ref) for mine, ref in zip(rounds, reference)
-            )
-            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-            print(
-                f"{hook_name:<22}{variant:<28}{median * 1e3:>16.1f}{statistics.median(ratios):>8.3f}"
-                f"{f'{quartiles[0]:.3f}-{quartiles[2]:.3f}':>16}"
-            )
-    print("ratio: per round, this variant's median step time over the reference's (first row of the")
-    print("hook) in the same round; the median of those ratios, and their interquartile range.")
+            line = f"{hook_name:<22}{variant:<24}{median * 1e3:>10.1f}"
+            line += _ratio_columns(rounds, torch_rounds)
+            if variant.startswith("traced"):
+                line += _ratio_columns(rounds, untraced_rounds)
+            print(line)
+    print("vs torch / vs untraced: per round, this variant's median step time over that of torch's hook")
+    print("(or of tensorplay's untraced hook) in the same round; the median of those ratios and their")
+    print("interquartile range.")
 
 
 if __name__ == "__main__":

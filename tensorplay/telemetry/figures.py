@@ -7,9 +7,11 @@ turns into numbers later with :func:`to_number`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["relative_error", "created_nonfinite", "to_number"]
+__all__ = ["compression_figures", "to_number"]
 
 # Elements per slice of the CPU error pass: small enough for the scratch slice to stay in cache.
 _SLICE = 1 << 16
@@ -17,63 +19,94 @@ _SLICE = 1 << 16
 Figure = float | int | torch.Tensor
 
 
-def relative_error(
+def compression_figures(
     original: torch.Tensor,
     approximation: torch.Tensor | None,
     scale: float = 1.0,
     residual: torch.Tensor | None = None,
-) -> Figure:
-    """Return ‖x − x̂‖₂ / ‖x‖₂ with x = ``original / scale`` and x̂ = ``approximation``.
+    with_error: bool = True,
+) -> tuple[Figure | None, Figure]:
+    """Return (relative error, non-finite elements created) of one compression stage.
 
-    With ``residual`` given, x − x̂ is that residual and x is ``original`` (scale must be 1).
-    A zero contribution has zero error.
+    The relative error is ‖x − x̂‖₂ / ‖x‖₂ with x = ``original / scale`` and x̂ = ``approximation``,
+    or, with ``residual`` given, ‖residual‖₂ / ‖original‖₂; it is None unless ``with_error``, and
+    None where the figures are not finite. A zero contribution has zero error. The second figure
+    counts elements non-finite in ``approximation`` that were finite in ``original``
+    (0 without an approximation).
     """
-    if residual is not None:
-        return _ratio(torch.linalg.vector_norm(residual), torch.linalg.vector_norm(original))
-    if approximation is None:
-        raise ValueError("relative_error needs an approximation or a residual")
     if original.is_cuda:
-        x = original / scale if scale != 1.0 else original
-        return _ratio(torch.linalg.vector_norm(x - approximation), torch.linalg.vector_norm(x))
-    return _relative_error_by_slices(original.reshape(-1), approximation.reshape(-1), scale)
+        return _cuda_figures(original, approximation, scale, residual, with_error)
+    if with_error and residual is not None:
+        error = _ratio(float(torch.linalg.vector_norm(residual)), float(torch.linalg.vector_norm(original)))
+        return error, created_nonfinite(original, approximation) if approximation is not None else 0
+    if approximation is None:
+        return None, 0
+    if not with_error:
+        return None, created_nonfinite(original, approximation)
+    error_sq, reference_sq = _squared_norms_by_slices(original.reshape(-1), approximation.reshape(-1), scale)
+    if math.isfinite(error_sq) and math.isfinite(reference_sq):
+        return _ratio(error_sq**0.5, reference_sq**0.5), 0  # finite sums: every element finite
+    return None, created_nonfinite(original, approximation)
 
 
-def _relative_error_by_slices(original: torch.Tensor, approximation: torch.Tensor, scale: float) -> float:
-    """CPU pass over the bucket slice by slice, reusing one small scratch buffer."""
-    scratch = torch.empty(min(_SLICE, original.numel()), dtype=torch.promote_types(original.dtype, torch.float32))
+def _squared_norms_by_slices(original: torch.Tensor, approximation: torch.Tensor, scale: float) -> tuple[float, float]:
+    """‖original − scale·approximation‖² and ‖original‖² in one cache-friendly CPU pass.
+
+    The ratio of their roots is the relative error of x = original / scale, without dividing.
+    """
+    dtype = torch.promote_types(original.dtype, torch.float32)
+    scratch = torch.empty(min(_SLICE, original.numel()), dtype=dtype)
     error_sq = 0.0
     reference_sq = 0.0
     for start in range(0, original.numel(), _SLICE):
-        x_slice = original[start : start + _SLICE]
-        x = scratch[: x_slice.numel()]
-        if scale != 1.0:
-            torch.div(x_slice, scale, out=x)
+        x = original[start : start + _SLICE]
+        if x.dtype != dtype:
+            x = scratch[: x.numel()].copy_(x)
+            reference_sq += float(torch.dot(x, x))
+            difference = x.sub_(approximation[start : start + _SLICE], alpha=scale)
         else:
-            x.copy_(x_slice)
-        reference_sq += float(torch.dot(x, x))
-        x.sub_(approximation[start : start + _SLICE])
-        error_sq += float(torch.dot(x, x))
-    return (error_sq / reference_sq) ** 0.5 if reference_sq > 0.0 else 0.0
+            reference_sq += float(torch.dot(x, x))
+            difference = torch.sub(x, approximation[start : start + _SLICE], alpha=scale, out=scratch[: x.numel()])
+        error_sq += float(torch.dot(difference, difference))
+    return error_sq, reference_sq
 
 
-def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> Figure:
-    if numerator.is_cuda:
-        return torch.where(denominator > 0, numerator / denominator, torch.zeros_like(numerator))
-    denominator_value = float(denominator)
-    return float(numerator) / denominator_value if denominator_value > 0.0 else 0.0
+def _ratio(numerator: float, denominator: float) -> float | None:
+    if not (math.isfinite(numerator) and math.isfinite(denominator)):
+        return None
+    return numerator / denominator if denominator > 0.0 else 0.0
 
 
-def created_nonfinite(original: torch.Tensor, approximation: torch.Tensor) -> Figure:
-    """Count elements non-finite in ``approximation`` that were finite in ``original``.
+def _cuda_figures(
+    original: torch.Tensor,
+    approximation: torch.Tensor | None,
+    scale: float,
+    residual: torch.Tensor | None,
+    with_error: bool,
+) -> tuple[torch.Tensor | None, Figure]:
+    """The same figures as 0-dim device tensors: nothing here waits for the device."""
+    nonfinite: Figure = 0
+    if approximation is not None:
+        nonfinite = _nonfinite_count(approximation) - _nonfinite_count(original)
+    if not with_error or (residual is None and approximation is None):
+        return None, nonfinite
+    if residual is None:
+        residual = original - approximation * scale
+    numerator = torch.linalg.vector_norm(residual)
+    denominator = torch.linalg.vector_norm(original)
+    error = torch.where(denominator > 0, numerator / denominator, torch.zeros_like(numerator))
+    return error, nonfinite
+
+
+def created_nonfinite(original: torch.Tensor, approximation: torch.Tensor) -> int:
+    """Count (on CPU) elements non-finite in ``approximation`` that were finite in ``original``.
 
     Compression keeps inf and NaN as they are, so the count is the difference of the two
-    non-finite counts. On CPU a finite sum proves every element finite, which spares the
-    counting pass (about 14 times the cost of the sum) on healthy buckets; the sum is taken in
-    the compressed dtype (4 to 25 times faster than widening it), and when that sum itself
-    overflows a finite minimum and maximum still prove the bucket finite.
+    non-finite counts. A finite sum proves every element finite, which spares the counting pass
+    (about 14 times the cost of the sum) on healthy buckets; the sum is taken in the compressed
+    dtype (4 to 25 times faster than widening it), and when that sum itself overflows, a finite
+    minimum and maximum still prove the bucket finite.
     """
-    if approximation.is_cuda:
-        return _nonfinite_count(approximation) - _nonfinite_count(original)
     if bool(torch.isfinite(approximation.sum())):
         return 0
     low, high = torch.aminmax(approximation)

@@ -108,12 +108,9 @@ class BucketRecord:
     ) -> None:
         try:
             with torch.no_grad():
-                error = (
-                    figures.relative_error(original, approximation, scale, residual)
-                    if self.sample_error
-                    else None
+                error, nonfinite = figures.compression_figures(
+                    original, approximation, scale, residual, with_error=self.sample_error
                 )
-                nonfinite = figures.created_nonfinite(original, approximation) if approximation is not None else 0
             self.stages.append(CompressionStage(kind, error, nonfinite))
         except Exception:
             self._failed("compression")
