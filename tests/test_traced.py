@@ -383,3 +383,33 @@ def test_torchrun_environment_turns_metrics_on() -> None:
     base = free_port()
     for rank, outcome in enumerate(run_ranks(_from_environment, 2, base)):
         assert f'tensorplay_step_compute_seconds_count{{rank="{rank}"}} 1.0' in outcome["body"]
+
+
+def _sampled_steps(rank: int, world_size: int) -> dict:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = TensorplayMetrics(CollectorRegistry())
+    train(rank, traced(default_hooks.fp16_compress_hook, error_every=3, metrics=metrics, tracer_provider=provider), steps=7)
+    flush(30)
+    spans = [dict(s.attributes) for s in exporter.get_finished_spans()]
+    return {
+        "with error": sorted({s[Attr.STEP] for s in spans if Attr.COMPRESSION_RELATIVE_ERROR in s}),
+        "without": sorted({s[Attr.STEP] for s in spans if Attr.COMPRESSION_RELATIVE_ERROR not in s}),
+        "nonfinite checked": sorted({s[Attr.STEP] for s in spans if s[Attr.COMPRESSION_NONFINITE] == 0}),
+        "observations": metrics.registry.get_sample_value(
+            "tensorplay_compression_error_ratio_count", {"rank": str(rank), "hook": "fp16_compress_hook"}
+        ),
+        "spans with error": sum(Attr.COMPRESSION_RELATIVE_ERROR in s for s in spans),
+    }
+
+
+def test_exact_error_only_on_sampled_steps() -> None:
+    from tensorplay.telemetry import DEFAULT_ERROR_EVERY
+
+    assert DEFAULT_ERROR_EVERY == 25  # documented in docs/telemetry.md
+    for outcome in run_ranks(_sampled_steps, 2):
+        assert outcome["with error"] == [0, 3, 6]
+        assert outcome["without"] == [1, 2, 4, 5]
+        assert outcome["nonfinite checked"] == list(range(7))  # every step
+        assert outcome["observations"] == outcome["spans with error"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr
 
 from .rundir import RunDir, read_json
@@ -176,7 +177,7 @@ def render(ranks: list[RankSummary], verdict: Verdict, hook: str, run_dir: RunDi
     lines += ["",
               f"allreduce p50: median per bucket over the {common_steps} steps every rank trained;  "
               "wire sent / handed over: every hook call, shadowed iterations included",
-              "rel. error: mean ||x - x^|| / ||x|| of the sampled buckets (every 10th step by default);  "
+              f"rel. error: mean ||x - x^|| / ||x|| of the sampled buckets (every {DEFAULT_ERROR_EVERY}th step by default);  "
               "compute mean: tensorplay_step_compute_seconds, this rank's own work per iteration",
               f"spans: {run_dir.path}/spans-rank*.jsonl   rank logs: {run_dir.logs}",
               "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")

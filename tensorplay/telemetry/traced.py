@@ -24,8 +24,8 @@ from .tracing import tracer as default_tracer
 
 __all__ = ["traced", "DEFAULT_ERROR_EVERY"]
 
-DEFAULT_ERROR_EVERY = 10
-"""Default sampling of the exact compression error: every bucket of every 10th step."""
+DEFAULT_ERROR_EVERY = 25
+"""Default sampling of the exact compression error: every bucket of every 25th step."""
 
 _ERROR_EVERY_ENV = "TENSORPLAY_ERROR_EVERY"
 
@@ -50,7 +50,7 @@ def traced(
         hook: a communication hook ``hook(state, bucket) -> Future[Tensor]``: any tensorplay
             hook, a wrapped one, or your own (which gets bucket sizes and latency only).
         error_every: sample the compression error every this many steps; 1 takes it on
-            every step (full fidelity), 0 never. Default: ``TENSORPLAY_ERROR_EVERY``, else 10.
+            every step (full fidelity), 0 never. Default: ``TENSORPLAY_ERROR_EVERY``, else 25.
         metrics: where to record metrics (tests pass ``TensorplayMetrics(CollectorRegistry())``).
             Default: the process's metrics once :func:`~tensorplay.telemetry.enable_metrics` ran.
         tracer_provider: default: OpenTelemetry's global provider.
