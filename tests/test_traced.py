@@ -413,3 +413,31 @@ def test_exact_error_only_on_sampled_steps() -> None:
         assert outcome["without"] == [1, 2, 4, 5]
         assert outcome["nonfinite checked"] == list(range(7))  # every step
         assert outcome["observations"] == outcome["spans with error"]
+
+
+def _global_provider(rank: int, world_size: int) -> dict:
+    from opentelemetry import trace
+
+    hook = traced(default_hooks.fp16_compress_hook)  # made before the application sets its SDK up
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    with trace.get_tracer("my.training").start_as_current_span("train"):
+        train(rank, hook, steps=2)
+    flush(30)
+    spans = exporter.get_finished_spans()
+    train_span = next(s for s in spans if s.name == "train")
+    hook_spans = [s for s in spans if s.name == "tensorplay.comm_hook"]
+    return {
+        "scopes": {s.instrumentation_scope.name for s in hook_spans},
+        "count": len(hook_spans),
+        "children of train": all(s.parent is not None and s.parent.span_id == train_span.context.span_id for s in hook_spans),
+    }
+
+
+def test_spans_go_to_the_global_provider_under_the_tensorplay_tracer() -> None:
+    for outcome in run_ranks(_global_provider, 2):
+        assert outcome["scopes"] == {"tensorplay"}
+        assert outcome["count"] >= 4
+        assert outcome["children of train"]

@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 from opentelemetry import trace
 
+from tensorplay import __version__
+
 from . import probe
 from .metrics import TensorplayMetrics, active_metrics
-from .names import HOOK_SPAN_NAME
+from .names import HOOK_SPAN_NAME, TRACER_NAME
 from .recorder import BucketRecord
 from .resolver import resolver
 from .tracing import tracer as default_tracer
@@ -93,8 +95,8 @@ class _TracedHook:
         self._reports_collectives = probe.reports_collectives(hook)
         self._error_every = error_every
         self._metrics = metrics
-        self._tracer = (
-            default_tracer() if tracer_provider is None else tracer_provider.get_tracer("tensorplay")
+        self._own_tracer = (
+            tracer_provider.get_tracer(TRACER_NAME, __version__) if tracer_provider is not None else None
         )
         self._step = 0
         self._new_step = True
@@ -107,7 +109,8 @@ class _TracedHook:
         if self._new_step:
             self._step += 1
         metrics = self._metrics if self._metrics is not None else active_metrics()
-        span = self._tracer.start_span(HOOK_SPAN_NAME)
+        tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
+        span = tracer.start_span(HOOK_SPAN_NAME)
         if metrics is None and not span.is_recording():
             self._previous_step_end = None
             return self._hook(state, bucket)

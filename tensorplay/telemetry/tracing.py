@@ -27,12 +27,12 @@ __all__ = ["tracer", "configure_tracing", "JsonLinesSpanExporter"]
 
 _logger = logging.getLogger(__name__)
 
-_tracer = trace.get_tracer(TRACER_NAME, __version__)
-
-
 def tracer() -> trace.Tracer:
-    """Return tensorplay's tracer: a no-op until an SDK tracer provider is set."""
-    return _tracer
+    """Return tensorplay's tracer from the current global provider (a no-op without an SDK).
+
+    Looked up on every use, so a provider set or replaced later (tests do) is honoured.
+    """
+    return trace.get_tracer(TRACER_NAME, __version__)
 
 
 class JsonLinesSpanExporter(SpanExporter):
