@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import pytest
+
+from .ranks import free_port
 
 __all__ = [
     "RULE_FILES",
@@ -63,12 +64,6 @@ def prometheus_binary() -> str:
             "does); set TENSORPLAY_PROMETHEUS_BIN to use another one"
         )
     return path
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _yaml_list(items: Sequence[str], indent: int) -> str:
@@ -161,7 +156,7 @@ class PrometheusServer:
         )
         last_error = ""
         for _attempt in range(3):  # a free port can be taken between probing and binding
-            self.port = _free_port()
+            self.port = free_port()
             storage = Path(tempfile.mkdtemp(prefix="tsdb-", dir=self.workdir))
             self._log = open(self.log_path, "ab")
             self._process = subprocess.Popen(

@@ -25,6 +25,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_base_port(count: int) -> int:
+    """Return a port P such that P .. P+count-1 are all free on 127.0.0.1 right now."""
+    for _ in range(100):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["RANK"] = str(rank)

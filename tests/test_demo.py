@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,32 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from .ranks import free_base_port
+
 pytestmark = pytest.mark.timeout(120)
 
 LINGER_S = "1.0"  # the ranks keep serving metrics this long after training: time for a last scrape
-
-
-def _free_base_port(count: int) -> int:
-    """A port P such that P .. P+count-1 are all free on 127.0.0.1 right now."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def _scrape(port: int) -> str | None:
@@ -105,7 +83,7 @@ def _watch_metrics(process: subprocess.Popen, base_port: int, world_size: int, s
 
 def run_demo(tmp_path: Path, world_size: int, *flags: str) -> Demo:
     """Run ``python -m tensorplay demo`` to completion, scraping the ranks' metrics meanwhile."""
-    port = _free_base_port(world_size)
+    port = free_base_port(world_size)
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size),
                "--metrics-port", str(port), "--linger-s", LINGER_S, "--run-dir", str(run_dir), *flags]
@@ -166,7 +144,7 @@ def test_three_ranks_uneven_inputs_are_no_straggler(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
-    port = _free_base_port(2)
+    port = free_base_port(2)
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
         [sys.executable, "-m", "tensorplay", "demo", "--steps", "100000", "--metrics-port", str(port),

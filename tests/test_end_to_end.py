@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import pytest
 import yaml
 
 from .dashboard_queries import dashboard_paths, dashboard_queries, selectors
+from .ranks import free_base_port
 from .prometheus_server import RULE_FILES, PrometheusServer, prometheus  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(150)
@@ -54,29 +54,6 @@ def alert_expr(name: str) -> str:
     """The expression of alert ``name``, as deploy/prometheus/rules/tensorplay.alerts.yml has it."""
     groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
     return next(rule["expr"] for group in groups for rule in group["rules"] if rule.get("alert") == name)
-
-
-def _free_base_port(count: int) -> int:
-    """A port P such that P .. P+count-1 are all free on 127.0.0.1 right now."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 @dataclass
@@ -148,7 +125,7 @@ def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *fla
 
     The caller checks, then calls ``finish()``; on a failed check it stops the demo with ``_stop``.
     """
-    port = _free_base_port(world_size)
+    port = free_base_port(world_size)
     server = prometheus([f"127.0.0.1:{port + rank}" for rank in range(world_size)], job=job)
     run_dir = tmp_path / "run"
     stdout_path, stderr_path = tmp_path / "demo.stdout", tmp_path / "demo.stderr"

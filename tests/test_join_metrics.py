@@ -13,7 +13,7 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tensorplay.distributed.algorithms.join import Join
 from tensorplay.telemetry import enable_metrics, flush
 
-from .ranks import free_port, run_ranks
+from .ranks import free_base_port, run_ranks
 from .training import BUCKET_CAP_MB, make_model, rank_batch
 
 BASE_INPUTS = 4
@@ -48,7 +48,7 @@ def _uneven_training(rank: int, world_size: int, base_port: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_join_timing_served_per_rank(world_size: int) -> None:
-    base = free_port()
+    base = free_base_port(world_size)
     outcomes = run_ranks(_uneven_training, world_size, base)
     most = BASE_INPUTS + (world_size - 1) * OFFSET
     joined_at = []

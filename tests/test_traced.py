@@ -20,7 +20,7 @@ from tensorplay.telemetry import TensorplayMetrics, flush
 from tensorplay.telemetry.names import Attr
 from tensorplay.telemetry.probe import describe_hook, hook_name, reports_collectives
 
-from .ranks import free_port, run_ranks
+from .ranks import free_base_port, free_port, run_ranks
 from .training import passthrough, train
 
 HOOKS = {
@@ -272,9 +272,7 @@ def _served(rank: int, world_size: int, base_port: int) -> dict:
 
 
 def test_each_rank_serves_metrics_on_base_port_plus_local_rank() -> None:
-    base = free_port()
-    while base + 1 == free_port():  # base+1 must be free too; almost always is
-        base = free_port()
+    base = free_base_port(2)
     for rank, outcome in enumerate(run_ranks(_served, 2, base)):
         body = outcome["body"]
         assert f'tensorplay_allreduce_latency_seconds_count{{hook="fp16_compress_hook",rank="{rank}"}}' in body
@@ -380,7 +378,7 @@ def _from_environment(rank: int, world_size: int, base_port: int) -> dict:
 
 
 def test_torchrun_environment_turns_metrics_on() -> None:
-    base = free_port()
+    base = free_base_port(2)
     for rank, outcome in enumerate(run_ranks(_from_environment, 2, base)):
         assert f'tensorplay_step_compute_seconds_count{{rank="{rank}"}} 1.0' in outcome["body"]
 
