@@ -117,17 +117,25 @@ class BucketRecord:
 
     # -- bookkeeping of the traced wrapper --
 
-    def hook_returned(self, future: torch.futures.Future, bucket: Any, on_complete: Any) -> None:
-        """Note what the hook handed back; ``on_complete(record)`` runs once its future completes."""
+    def hook_returned(self, future: torch.futures.Future, bucket: Any, on_complete: Any) -> torch.futures.Future:
+        """Return the future DDP gets: the hook's value, once ``on_complete(record)`` has run.
+
+        Chaining (rather than a done-callback, which may run after waiters wake) means that when
+        DDP's wait returns, the call's span and metrics are already handed over.
+        """
         if not self.reports_collectives:
             buffer = bucket.buffer()
             self.returned_buffer_bytes = buffer.numel() * buffer.element_size()
 
-        def completed(_: torch.futures.Future) -> None:
-            self.completed = stamp(self.device)
-            on_complete(self)
+        def completed(done: torch.futures.Future) -> Any:
+            try:
+                self.completed = stamp(self.device)
+                on_complete(self)
+            except Exception:
+                self._failed("completion")
+            return done.value()
 
-        future.add_done_callback(completed)
+        return future.then(completed)
 
     def end_stamp(self) -> Stamp | None:
         """Completion of the last collective (or of the hook's future if none was reported)."""

@@ -2,8 +2,9 @@
 
 Every traced call is counted as pending from the moment it starts; its record arrives here when
 the hook's future completes. CUDA timings and figures are resolved here (waiting on events is
-fine on this thread), so the training thread never synchronizes the device. :func:`flush`
-waits until every pending call has been finished.
+fine on this thread), so the training thread never synchronizes the device; CPU records take
+the same path and are finished before DDP sees their future complete. :func:`flush` waits
+until every pending call has been finished.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from .timing import seconds_between
 
 __all__ = ["Resolver", "resolver", "flush"]
 
+# How long a CPU hook future waits for its record to be finished before going on regardless.
+_CPU_HANDOFF_TIMEOUT_S = 5.0
+
 _logger = logging.getLogger(__name__)
 
 
@@ -29,7 +33,7 @@ class Resolver:
     """A daemon thread that finishes :class:`BucketRecord` s in the order they complete."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[BucketRecord] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[BucketRecord, threading.Event | None]] = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -45,10 +49,19 @@ class Resolver:
         self._done()
 
     def submit(self, record: BucketRecord) -> None:
-        """Hand over a record whose hook future completed."""
+        """Hand over a record whose hook future completed, to be finished on this thread.
+
+        A CUDA record may wait for its events here, so the caller goes on at once and the span
+        ends later. A CPU record holds clock readings and numbers only: the caller waits (briefly)
+        until it is finished, so the span has ended by the time DDP sees the hook's future
+        complete, and the CPU path runs through the very same thread and queue as the CUDA one.
+        """
         if self._thread is None:
             self._start()
-        self._queue.put(record)
+        finished = threading.Event() if record.device.type == "cpu" else None
+        self._queue.put((record, finished))
+        if finished is not None and not finished.wait(_CPU_HANDOFF_TIMEOUT_S):
+            _logger.warning("tensorplay: a hook record is finishing late; training goes on")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every pending call is finished; False if ``timeout`` ran out first."""
@@ -69,7 +82,7 @@ class Resolver:
 
     def _run(self) -> None:
         while True:
-            record = self._queue.get()
+            record, finished = self._queue.get()
             try:
                 finish(record)
             except Exception:
@@ -77,6 +90,8 @@ class Resolver:
                 if record.metrics is not None:
                     record.metrics.count_error(record.rank, "resolver")
             finally:
+                if finished is not None:
+                    finished.set()
                 self._done()
 
     def _done(self) -> None:

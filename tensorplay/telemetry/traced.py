@@ -145,8 +145,7 @@ class _TracedHook:
             raise
         finally:
             probe.uninstall_recorder(token)
-        record.hook_returned(future, bucket, pending.submit)
-        return future
+        return record.hook_returned(future, bucket, pending.submit)
 
 
 def _world_size(state: Any) -> int:
