@@ -19,14 +19,14 @@ import os
 import signal
 import sys
 import time
+
 import torch
 import torch.distributed as dist
+from opentelemetry.sdk.trace import TracerProvider
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tensorplay.distributed.algorithms.join import Join
-from opentelemetry.sdk.trace import TracerProvider
-
 from tensorplay.telemetry import TensorplayMetrics, configure_tracing, enable_metrics, flush, served_address
 from tensorplay.telemetry.names import Metric
 
