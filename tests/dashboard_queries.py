@@ -49,8 +49,9 @@ CONTRACT_METRICS: dict[str, str] = {
     "tensorplay_join_wait_seconds": "histogram",
     "tensorplay_join_last_joiner": "gauge",
     "tensorplay_joins_total": "counter",
-    # ... and its documented extension.
+    # ... and its documented extensions.
     "tensorplay_telemetry_errors_total": "counter",
+    "tensorplay_bucket_nonfinite_elements_total": "counter",
 }
 """Every metric tensorplay exports, as the contract names it, with its type. Each carries `rank`."""
 

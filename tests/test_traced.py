@@ -443,3 +443,56 @@ def test_spans_go_to_the_global_provider_under_the_tensorplay_tracer() -> None:
         assert outcome["scopes"] == {"tensorplay"}
         assert outcome["count"] >= 4
         assert outcome["children of train"]
+
+
+def _nan_bucket(rank: int, world_size: int) -> dict:
+    """A bucket that arrives holding NaN and inf: training goes on, the elements are counted."""
+    outcome: dict[str, Any] = {}
+    for error_every in (1, 0):  # the error pass and the plain finiteness check both notice
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        metrics = TensorplayMetrics(CollectorRegistry())
+        hook = traced(default_hooks.fp16_compress_hook, error_every=error_every, metrics=metrics, tracer_provider=provider)
+        plain = default_hooks.fp16_compress_hook
+        step = [0, 0]
+
+        def poisoned(target: Any, slot: int) -> Any:
+            def poisoning_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+                if step[slot] == 1 and bucket.index() == 0:
+                    bucket.buffer()[:5] = float("nan")
+                    bucket.buffer()[5:8] = float("inf")
+                if bucket.is_last():
+                    step[slot] += 1
+                return target(state, bucket)
+
+            return poisoning_hook
+
+        traced_params = train(rank, poisoned(hook, 0), steps=2)  # poisoned in the last step
+        plain_params = train(rank, poisoned(plain, 1), steps=2)
+        spans = {(s.attributes[Attr.STEP], s.attributes[Attr.BUCKET_INDEX]): dict(s.attributes) for s in exporter.get_finished_spans()}
+        outcome[error_every] = {
+            "bitwise equal": all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(traced_params, plain_params)),
+            "poisoned span": spans[(1, 0)],
+            "other spans clean": all(s[Attr.BUCKET_NONFINITE] == 0 for key, s in spans.items() if key != (1, 0)),
+            "metric": metrics.registry.get_sample_value(
+                "tensorplay_bucket_nonfinite_elements_total", {"rank": str(rank), "hook": "fp16_compress_hook"}
+            ),
+            "created metric": metrics.registry.get_sample_value(
+                "tensorplay_nonfinite_elements_total", {"rank": str(rank), "hook": "fp16_compress_hook"}
+            ),
+        }
+    return outcome
+
+
+def test_a_bucket_holding_nan_is_counted_and_training_goes_on() -> None:
+    for outcome in run_ranks(_nan_bucket, 2):
+        for error_every, result in outcome.items():
+            span = result["poisoned span"]
+            assert result["bitwise equal"], error_every
+            assert span[Attr.BUCKET_NONFINITE] == 8
+            assert span[Attr.COMPRESSION_NONFINITE] == 0  # compression made none of them
+            assert Attr.COMPRESSION_RELATIVE_ERROR not in span  # undefined on a non-finite bucket
+            assert result["other spans clean"]
+            assert result["metric"] == 8
+            assert result["created metric"] == 0

@@ -25,28 +25,27 @@ def compression_figures(
     scale: float = 1.0,
     residual: torch.Tensor | None = None,
     with_error: bool = True,
-) -> tuple[Figure | None, Figure]:
-    """Return (relative error, non-finite elements created) of one compression stage.
+) -> tuple[Figure | None, Figure, Figure]:
+    """Return (relative error, non-finite elements created, non-finite elements already there).
 
     The relative error is ‖x − x̂‖₂ / ‖x‖₂ with x = ``original / scale`` and x̂ = ``approximation``,
     or, with ``residual`` given, ‖residual‖₂ / ‖original‖₂; it is None unless ``with_error``, and
-    None where the figures are not finite. A zero contribution has zero error. The second figure
-    counts elements non-finite in ``approximation`` that were finite in ``original``
-    (0 without an approximation).
+    None where the figures are not finite. A zero contribution has zero error. The counts are
+    those of :func:`nonfinite_counts` (zeros without an approximation).
     """
     if original.is_cuda:
         return _cuda_figures(original, approximation, scale, residual, with_error)
     if with_error and residual is not None:
         error = _ratio(float(torch.linalg.vector_norm(residual)), float(torch.linalg.vector_norm(original)))
-        return error, created_nonfinite(original, approximation) if approximation is not None else 0
+        return (error, *nonfinite_counts(original, approximation)) if approximation is not None else (error, 0, 0)
     if approximation is None:
-        return None, 0
+        return None, 0, 0
     if not with_error:
-        return None, created_nonfinite(original, approximation)
+        return (None, *nonfinite_counts(original, approximation))
     error_sq, reference_sq = _squared_norms_by_slices(original.reshape(-1), approximation.reshape(-1), scale)
     if math.isfinite(error_sq) and math.isfinite(reference_sq):
-        return _ratio(error_sq**0.5, reference_sq**0.5), 0  # finite sums: every element finite
-    return None, created_nonfinite(original, approximation)
+        return _ratio(error_sq**0.5, reference_sq**0.5), 0, 0  # finite sums: every element finite
+    return (None, *nonfinite_counts(original, approximation))
 
 
 def _squared_norms_by_slices(original: torch.Tensor, approximation: torch.Tensor, scale: float) -> tuple[float, float]:
@@ -83,36 +82,39 @@ def _cuda_figures(
     scale: float,
     residual: torch.Tensor | None,
     with_error: bool,
-) -> tuple[torch.Tensor | None, Figure]:
+) -> tuple[torch.Tensor | None, Figure, Figure]:
     """The same figures as 0-dim device tensors: nothing here waits for the device."""
-    nonfinite: Figure = 0
+    created: Figure = 0
+    already: Figure = 0
     if approximation is not None:
-        nonfinite = _nonfinite_count(approximation) - _nonfinite_count(original)
+        already = _nonfinite_count(original)
+        created = (_nonfinite_count(approximation) - already).clamp_(min=0)
     if not with_error or (residual is None and approximation is None):
-        return None, nonfinite
+        return None, created, already
     if residual is None:
         residual = original - approximation * scale
     numerator = torch.linalg.vector_norm(residual)
     denominator = torch.linalg.vector_norm(original)
     error = torch.where(denominator > 0, numerator / denominator, torch.zeros_like(numerator))
-    return error, nonfinite
+    return error, created, already
 
 
-def created_nonfinite(original: torch.Tensor, approximation: torch.Tensor) -> int:
-    """Count (on CPU) elements non-finite in ``approximation`` that were finite in ``original``.
+def nonfinite_counts(original: torch.Tensor, approximation: torch.Tensor) -> tuple[int, int]:
+    """Count (on CPU) elements made non-finite by compression, and those non-finite before it.
 
-    Compression keeps inf and NaN as they are, so the count is the difference of the two
+    Compression keeps inf and NaN as they are, so the first count is the difference of the two
     non-finite counts. A finite sum proves every element finite, which spares the counting pass
     (about 14 times the cost of the sum) on healthy buckets; the sum is taken in the compressed
     dtype (4 to 25 times faster than widening it), and when that sum itself overflows, a finite
     minimum and maximum still prove the bucket finite.
     """
     if bool(torch.isfinite(approximation.sum())):
-        return 0
+        return 0, 0
     low, high = torch.aminmax(approximation)
     if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
-        return 0
-    return max(int(_nonfinite_count(approximation)) - int(_nonfinite_count(original)), 0)
+        return 0, 0
+    already = int(_nonfinite_count(original))
+    return max(int(_nonfinite_count(approximation)) - already, 0), already
 
 
 def _nonfinite_count(tensor: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,11 @@ class TensorplayMetrics:
         self.nonfinite = Counter(
             Metric.NONFINITE, "Elements made non-finite by compression (e.g. fp16 overflow).", hook_labels, registry=r
         )
+        self.bucket_nonfinite = Counter(
+            Metric.BUCKET_NONFINITE,
+            "Elements already non-finite in buckets handed to compressing hooks (NaN/inf gradients).",
+            hook_labels, registry=r,
+        )
         self.step_compute = Histogram(
             Metric.STEP_COMPUTE,
             "This rank's own work per iteration: previous iteration's last collective done to first hook call.",

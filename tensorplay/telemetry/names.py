@@ -30,7 +30,8 @@ class Attr:
     COMPRESSION_NONFINITE = "tensorplay.compression.nonfinite"
     ALLREDUCE_LATENCY_MS = "tensorplay.allreduce.latency_ms"
     ALLREDUCE_COUNT = "tensorplay.allreduce.count"
-    # Join span (an extension documented in docs/telemetry.md).
+    # Extensions documented in docs/telemetry.md.
+    BUCKET_NONFINITE = "tensorplay.bucket.nonfinite"
     JOIN_SHADOW_ITERATIONS = "tensorplay.join.shadow_iterations"
     JOIN_WAIT_MS = "tensorplay.join.wait_ms"
     JOIN_LAST_JOINER = "tensorplay.join.last_joiner"
@@ -52,3 +53,4 @@ class Metric:
     JOIN_LAST_JOINER = "tensorplay_join_last_joiner"
     JOINS = "tensorplay_joins"
     TELEMETRY_ERRORS = "tensorplay_telemetry_errors"
+    BUCKET_NONFINITE = "tensorplay_bucket_nonfinite_elements"

@@ -26,11 +26,14 @@ _logger = logging.getLogger(__name__)
 
 @dataclass
 class CompressionStage:
-    """One compression a hook applied: its kind, relative error (if sampled), non-finite count."""
+    """One compression a hook applied: its kind, relative error (if sampled), non-finite counts."""
 
     kind: str
     relative_error: figures.Figure | None
     nonfinite: figures.Figure
+    """Elements compression made non-finite."""
+    input_nonfinite: figures.Figure
+    """Elements already non-finite in what this stage compressed."""
 
 
 class BucketRecord:
@@ -108,10 +111,10 @@ class BucketRecord:
     ) -> None:
         try:
             with torch.no_grad():
-                error, nonfinite = figures.compression_figures(
+                error, nonfinite, input_nonfinite = figures.compression_figures(
                     original, approximation, scale, residual, with_error=self.sample_error
                 )
-            self.stages.append(CompressionStage(kind, error, nonfinite))
+            self.stages.append(CompressionStage(kind, error, nonfinite, input_nonfinite))
         except Exception:
             self._failed("compression")
 
@@ -150,5 +153,8 @@ class BucketRecord:
     def _failed(self, where: str) -> None:
         self.failed = True
         _logger.warning("tensorplay: telemetry failed in %s; training goes on", where, exc_info=True)
-        if self.metrics is not None:
-            self.metrics.count_error(self.rank, f"recorder_{where}")
+        try:
+            if self.metrics is not None:
+                self.metrics.count_error(self.rank, f"recorder_{where}")
+        except Exception:
+            _logger.debug("tensorplay: could not count a recorder failure", exc_info=True)

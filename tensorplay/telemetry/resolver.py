@@ -87,8 +87,7 @@ class Resolver:
                 finish(record)
             except Exception:
                 _logger.warning("tensorplay: could not finish a hook record; training goes on", exc_info=True)
-                if record.metrics is not None:
-                    record.metrics.count_error(record.rank, "resolver")
+                _count_failure(record)
             finally:
                 if finished is not None:
                     finished.set()
@@ -99,6 +98,15 @@ class Resolver:
             self._pending -= 1
             if not self._pending:
                 self._idle.notify_all()
+
+
+def _count_failure(record: BucketRecord) -> None:
+    """Count a record that could not be finished, unless counting fails too (the thread lives on)."""
+    try:
+        if record.metrics is not None:
+            record.metrics.count_error(record.rank, "resolver")
+    except Exception:
+        _logger.debug("tensorplay: could not count a resolver failure", exc_info=True)
 
 
 def latency_seconds(record: BucketRecord) -> float:
@@ -134,6 +142,8 @@ def finish(record: BucketRecord) -> None:
     latency = latency_seconds(record)
     stages = record.stages
     nonfinite = sum(int(to_number(stage.nonfinite)) for stage in stages)
+    # What the first stage compressed is the bucket as DDP handed it over.
+    bucket_nonfinite = int(to_number(stages[0].input_nonfinite)) if stages else None
     errors = [to_number(stage.relative_error) for stage in stages if stage.relative_error is not None]
     # Stages compose (a wrapper around a compressing hook): their relative errors add up, which
     # bounds the end-to-end error to first order (triangle inequality). One stage is exact.
@@ -159,6 +169,7 @@ def finish(record: BucketRecord) -> None:
         }
         if stages:
             attributes[Attr.COMPRESSION_DTYPE] = "+".join(stage.kind for stage in stages)
+            attributes[Attr.BUCKET_NONFINITE] = bucket_nonfinite
             if relative_error is not None:
                 attributes[Attr.COMPRESSION_RELATIVE_ERROR] = relative_error
         span.set_attributes(attributes)
@@ -175,6 +186,8 @@ def finish(record: BucketRecord) -> None:
     metrics.bucket_bytes.labels(rank=rank, hook=record.hook).inc(record.bytes)
     metrics.wire_bytes.labels(rank=rank, hook=record.hook).inc(wire_bytes(record))
     metrics.nonfinite.labels(rank=rank, hook=record.hook).inc(nonfinite)
+    if bucket_nonfinite:
+        metrics.bucket_nonfinite.labels(rank=rank, hook=record.hook).inc(bucket_nonfinite)
     if relative_error is not None:
         metrics.compression_error.labels(rank=rank, hook=record.hook).observe(relative_error)
     if compute is not None:

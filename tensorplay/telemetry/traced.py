@@ -8,6 +8,7 @@ reads and the hook runs untouched.
 """
 
 import functools
+import logging
 import os
 from typing import Any, Callable, Optional
 
@@ -25,6 +26,8 @@ from .resolver import resolver
 from .tracing import tracer as default_tracer
 
 __all__ = ["traced", "DEFAULT_ERROR_EVERY"]
+
+_logger = logging.getLogger(__name__)
 
 DEFAULT_ERROR_EVERY = 25
 """Default sampling of the exact compression error: every bucket of every 25th step."""
@@ -108,28 +111,10 @@ class _TracedHook:
         self._new_step = bucket.is_last()
         if self._new_step:
             self._step += 1
-        metrics = self._metrics if self._metrics is not None else active_metrics()
-        tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
-        span = tracer.start_span(HOOK_SPAN_NAME)
-        if metrics is None and not span.is_recording():
+        record = self._start_record(state, bucket, step, first_of_step)
+        if record is None:
             self._previous_step_end = None
             return self._hook(state, bucket)
-
-        record = BucketRecord(
-            hook=self._name,
-            reports_collectives=self._reports_collectives,
-            step=step,
-            rank=dist.get_rank(),
-            world_size=_world_size(state),
-            bucket_index=bucket.index(),
-            buffer=bucket.buffer(),
-            sample_error=self._error_every > 0 and step % self._error_every == 0,
-            span=span,
-            metrics=metrics,
-            previous_step_end=(
-                self._previous_step_end if first_of_step and not probe.in_shadow_phase() else None
-            ),
-        )
         if self._new_step:
             self._previous_step_end = record
         pending = resolver()
@@ -139,13 +124,51 @@ class _TracedHook:
             future = self._hook(state, bucket)
         except BaseException as error:
             pending.abandoned()
-            span.record_exception(error)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
-            span.end()
+            _end_failed_span(record.span, error)
             raise
         finally:
             probe.uninstall_recorder(token)
-        return record.hook_returned(future, bucket, pending.submit)
+        try:
+            return record.hook_returned(future, bucket, pending.submit)
+        except Exception:  # telemetry must never break training: hand DDP the hook's own future
+            pending.abandoned()
+            _logger.warning("tensorplay: could not follow a hook's future; training goes on", exc_info=True)
+            return future
+
+    def _start_record(
+        self, state: Any, bucket: dist.GradBucket, step: int, first_of_step: bool
+    ) -> Optional[BucketRecord]:
+        """Begin recording this call, or return None when nobody listens (or telemetry fails)."""
+        try:
+            metrics = self._metrics if self._metrics is not None else active_metrics()
+            tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
+            span = tracer.start_span(HOOK_SPAN_NAME)
+            if metrics is None and not span.is_recording():
+                return None
+            return BucketRecord(
+                hook=self._name,
+                reports_collectives=self._reports_collectives,
+                step=step,
+                rank=dist.get_rank(),
+                world_size=_world_size(state),
+                bucket_index=bucket.index(),
+                buffer=bucket.buffer(),
+                sample_error=self._error_every > 0 and step % self._error_every == 0,
+                span=span,
+                metrics=metrics,
+                previous_step_end=(
+                    self._previous_step_end if first_of_step and not probe.in_shadow_phase() else None
+                ),
+            )
+        except Exception:
+            _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
+            return None
+
+
+def _end_failed_span(span: trace.Span, error: BaseException) -> None:
+    span.record_exception(error)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+    span.end()
 
 
 def _world_size(state: Any) -> int:
