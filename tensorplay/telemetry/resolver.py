@@ -186,7 +186,7 @@ def finish(record: BucketRecord) -> None:
     metrics.bucket_bytes.labels(rank=rank, hook=record.hook).inc(record.bytes)
     metrics.wire_bytes.labels(rank=rank, hook=record.hook).inc(wire_bytes(record))
     metrics.nonfinite.labels(rank=rank, hook=record.hook).inc(nonfinite)
-    if bucket_nonfinite:
+    if bucket_nonfinite is not None:
         metrics.bucket_nonfinite.labels(rank=rank, hook=record.hook).inc(bucket_nonfinite)
     if relative_error is not None:
         metrics.compression_error.labels(rank=rank, hook=record.hook).observe(relative_error)
