@@ -411,6 +411,23 @@ def _report_compression_stats(bucket: dist.GradBucket, state: PowerSGDState) -> 
         state.next_stats_report = state.iter + state.compression_stats_logging_frequency
 
 
+def _run_hook(
+    state: Any,
+    bucket: dist.GradBucket,
+    hook_name: str,
+    compress: Callable[[PowerSGDState, dist.GradBucket, dist.ProcessGroup, Optional[HookRecorder]], torch.futures.Future[torch.Tensor]],
+) -> torch.futures.Future[torch.Tensor]:
+    """One hook call: plain averaging before ``start_powerSGD_iter``, ``compress`` after it."""
+    recorder = current_recorder()
+    group, compressing = _begin(state, bucket, hook_name)
+    if compressing:
+        future = compress(state, bucket, group, recorder)
+    else:
+        future = _allreduce_fut(group, bucket.buffer())
+    state.maybe_increase_iter(bucket)
+    return future
+
+
 def _begin(state: Any, bucket: dist.GradBucket, hook_name: str) -> tuple[dist.ProcessGroup, bool]:
     """Validate the call and launch pending work; return the group and whether to compress."""
     group = _check_state(state, hook_name)
@@ -609,14 +626,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         ...                       start_powerSGD_iter=10, min_compression_rate=0.5)
         >>> ddp_model.register_comm_hook(state, powerSGD_hook)
     """
-    recorder = current_recorder()
-    group, compress = _begin(state, bucket, "powerSGD_hook")
-    if compress:
-        future = _compress_layers(state, bucket, group, recorder)
-    else:
-        future = _allreduce_fut(group, bucket.buffer())
-    state.maybe_increase_iter(bucket)
-    return future
+    return _run_hook(state, bucket, "powerSGD_hook", _compress_layers)
 
 
 # -- batched PowerSGD: the whole bucket as one square matrix --
@@ -717,14 +727,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1)
         >>> ddp_model.register_comm_hook(state, batched_powerSGD_hook)
     """
-    recorder = current_recorder()
-    group, compress = _begin(state, bucket, "batched_powerSGD_hook")
-    if compress:
-        future = _compress_square(state, bucket, group, recorder)
-    else:
-        future = _allreduce_fut(group, bucket.buffer())
-    state.maybe_increase_iter(bucket)
-    return future
+    return _run_hook(state, bucket, "batched_powerSGD_hook", _compress_square)
 
 
 describe_hook(powerSGD_hook, "powerSGD_hook")
