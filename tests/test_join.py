@@ -276,24 +276,49 @@ def outcome(body: Callable[[], Any]) -> str:
 
 
 def throw_scenarios(rank: int, world_size: int) -> dict:
-    """throw_on_early_termination=True with a tensorplay joinable, then with torch DDP + ZeRO."""
+    """throw_on_early_termination=True with a tensorplay joinable, then with torch DDP + ZeRO.
+
+    Each scenario runs under tensorplay's Join and under torch's: the messages must be the same.
+    """
     joinable = AllreduceJoinable()
 
-    def custom() -> None:
-        with Join([joinable], throw_on_early_termination=True):
+    def custom(join_class: type) -> None:
+        with join_class([joinable], throw_on_early_termination=True):
             for _ in range(uneven(world_size)[rank]):
                 joinable.step()
 
+    def ddp(join_class: type) -> None:
+        train_ddp(rank, join_class, uneven(world_size), True, throw_on_early_termination=True)
+
     with listening() as reports:
-        custom_error = outcome(custom)
-        ddp_error = outcome(lambda: train_ddp(rank, Join, uneven(world_size), True, throw_on_early_termination=True))
+        custom_error, ddp_error = outcome(lambda: custom(Join)), outcome(lambda: ddp(Join))
+    summary, shadow_after = joinable.summary(), probe.in_shadow_phase()
     return {
         "custom": custom_error,
         "ddp": ddp_error,
-        "joinable": joinable.summary(),
-        "shadow_after": probe.in_shadow_phase(),
+        "torch custom": outcome(lambda: custom(TorchJoin)),
+        "torch ddp": outcome(lambda: ddp(TorchJoin)),
+        "joinable": summary,
+        "shadow_after": shadow_after,
         "reports": len(reports),
     }
+
+
+def reused_join_scenario(rank: int, world_size: int) -> dict:
+    """One Join entered once per epoch, as torch allows: DDP trains as under torch's reused Join."""
+    params = {}
+    for name, join_class in (("ours", Join), ("torch", TorchJoin)):
+        model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        join = join_class([model])
+        for epoch in range(3):
+            with join:
+                for step in range(uneven(world_size)[rank]):
+                    optimizer.zero_grad()
+                    model(rank_batch(rank, 10 * epoch + step)).square().mean().backward()
+                    optimizer.step()
+        params[name] = [p.detach().clone() for p in model.parameters()]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(params["ours"], params["torch"]))}
 
 
 def mixed_groups_scenario(rank: int, world_size: int) -> dict:
@@ -332,6 +357,7 @@ def all_scenarios(rank: int, world_size: int) -> dict:
         "custom": custom_scenarios(rank, world_size),
         "subgroup": subgroup_scenario(rank, world_size),
         "throw": throw_scenarios(rank, world_size),
+        "reused": reused_join_scenario(rank, world_size),
         "mixed_groups": mixed_groups_scenario(rank, world_size),
         "skew_warning": skew_warning_scenario(rank, world_size),
     }
@@ -436,22 +462,29 @@ def test_throw_on_early_termination_raises_on_every_rank(ranks: tuple[int, list[
     for rank, result in enumerate(results):
         scenario = result["throw"]
         if rank == 0:  # the rank that runs out first raises from Join.__exit__
-            assert scenario["custom"].startswith("Rank 0 ran out of inputs")
-            assert scenario["ddp"].startswith("Rank 0 ran out of inputs")
+            assert scenario["custom"] == scenario["ddp"] == "Rank 0 exhausted all inputs."
         else:  # the others from notify_join_context (ours, then torch's inside DDP's forward)
-            assert "stopping every rank" in scenario["custom"]
-            assert "exhausted inputs" in scenario["ddp"]
+            expected = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+            assert scenario["custom"] == scenario["ddp"] == expected
+        # torch's Join raises exactly the same messages on every rank.
+        assert (scenario["custom"], scenario["ddp"]) == (scenario["torch custom"], scenario["torch ddp"])
         assert scenario["joinable"]["main_calls"] == 0 and scenario["joinable"]["post_calls"] == []
         assert scenario["joinable"]["config"] == OUTSIDE_JOIN
         assert not scenario["shadow_after"], "the shadow phase ends on the error path too"
         assert scenario["reports"] == 0, "no post-hooks ran, so nothing is reported"
 
 
+def test_one_join_reused_across_epochs_trains_as_torch(ranks: tuple[int, list[dict]]) -> None:
+    _, results = ranks
+    for rank, result in enumerate(results):
+        assert result["reused"]["equal"], f"rank {rank}: a Join entered once per epoch diverged from torch's"
+
+
 def test_mixed_process_groups_are_refused_untouched(ranks: tuple[int, list[dict]]) -> None:
     _, results = ranks
     for result in results:
         scenario = result["mixed_groups"]
-        assert "one process group" in scenario["error"]
+        assert scenario["error"] == "Using join context manager with multiple process groups"
         assert scenario["configs"] == [OUTSIDE_JOIN, OUTSIDE_JOIN]
         assert scenario["hooks_made"] == [None, None]
 
@@ -461,7 +494,7 @@ def test_warns_once_past_a_skew_of_1000(ranks: tuple[int, list[dict]]) -> None:
     behind, *ahead = [result["skew_warning"] for result in results]
     assert behind[1000] == [] and all(r == {1000: [], 1001: []} for r in ahead)
     ((message, filename),) = behind[1001]
-    assert "Rank 0 ran out of inputs more than 1000 iterations" in message
+    assert message.startswith("Detected uneven input skew of greater than 1000. This means that rank 0 has")
     assert filename == "test_join.py", "the warning points at the user's with-block"
 
 
@@ -474,7 +507,7 @@ def test_exported_from_the_algorithms_package() -> None:
 
 
 def test_empty_and_non_joinable_lists_are_refused() -> None:
-    with pytest.raises(ValueError, match="at least one joinable"):
+    with pytest.raises(ValueError, match="^The join context manager requires at least one joinable$"):
         Join([])
     with pytest.raises(TypeError, match=r"joinables\[0\] is a object"):
         Join([object()])
@@ -485,7 +518,7 @@ def test_empty_and_non_joinable_lists_are_refused() -> None:
 
 
 def test_mixed_process_groups_are_refused() -> None:
-    with pytest.raises(ValueError, match="one process group"):
+    with pytest.raises(ValueError, match="^Using join context manager with multiple process groups$"):
         Join([RecordingJoinable("group a"), RecordingJoinable("group b")])
 
 
@@ -530,7 +563,7 @@ def test_joinable_contract() -> None:
         def __init__(self) -> None:
             pass
 
-    with pytest.raises(AssertionError, match="ForgotInit has no join config"):
+    with pytest.raises(AssertionError, match=r"Check that the <class '.*ForgotInit'> constructor calls the ``Joinable``"):
         Join.notify_join_context(ForgotInit())
     hook = JoinHook()
     assert hook.main_hook() is None and hook.post_hook(True) is None

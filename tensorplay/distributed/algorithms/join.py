@@ -151,7 +151,8 @@ class Join:
         self._install_configs()
 
     def __enter__(self) -> None:
-        return None
+        """Arm the joinables for this context: a ``Join`` may be entered once per epoch."""
+        self._install_configs()
 
     def __exit__(
         self,
@@ -191,15 +192,13 @@ class Join:
         """
         config = getattr(joinable, "_join_config", None)
         if config is None:
-            raise AssertionError(
-                f"{type(joinable).__name__} has no join config: its __init__ must call Joinable.__init__"
-            )
+            raise AssertionError(f"Check that the {type(joinable)} constructor calls the ``Joinable`` constructor")
         if not (config.enable and config.is_first_joinable):
             return None
         device, group = joinable.join_device, joinable.join_process_group
         work = dist.all_reduce(torch.ones(1, device=device), group=group, async_op=True)
         if config.throw_on_early_termination and _some_rank_terminated(device, group):
-            raise RuntimeError("A rank ran out of inputs and throw_on_early_termination=True: stopping every rank.")
+            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
         return work
 
     def _install_configs(self) -> None:
@@ -255,9 +254,10 @@ class Join:
                 rounds += 1
                 if rounds == _SKEW_WARNING_ROUNDS + 1:
                     warnings.warn(
-                        f"Rank {self._group_rank()} ran out of inputs more than {_SKEW_WARNING_ROUNDS} "
-                        "iterations before other ranks; shadowing that many iterations slows "
-                        "training down, so consider balancing the inputs across ranks.",
+                        f"Detected uneven input skew of greater than {_SKEW_WARNING_ROUNDS}. This means "
+                        f"that rank {self._group_rank()} has at least {_SKEW_WARNING_ROUNDS} fewer inputs "
+                        "than other currently-active ranks. This level of skew could lead to "
+                        "performance degradation during training.",
                         stacklevel=4,  # the user's ``with`` block: _join, __exit__, caller
                     )
         finally:
@@ -273,9 +273,7 @@ class Join:
     def _stop_every_rank(self) -> None:
         """Make the ranks that still have inputs raise in notify_join_context, and raise here."""
         dist.all_reduce(torch.ones(1, device=self._device), group=self._process_group)
-        raise RuntimeError(
-            f"Rank {self._group_rank()} ran out of inputs and throw_on_early_termination=True: stopping every rank."
-        )
+        raise RuntimeError(f"Rank {self._group_rank()} exhausted all inputs.")
 
     def _run_post_hooks(self, is_last_joiner: bool) -> None:
         for hook in self._join_hooks:
@@ -289,7 +287,7 @@ def _checked_joinables(joinables: Sequence[AnyJoinable]) -> list[AnyJoinable]:
     """Return ``joinables`` as a list, or raise if it is empty or holds a non-joinable."""
     checked = list(joinables)
     if not checked:
-        raise ValueError("Join needs at least one joinable")
+        raise ValueError("The join context manager requires at least one joinable")
     for position, joinable in enumerate(checked):
         if not isinstance(joinable, _JOINABLE_TYPES):
             raise TypeError(
@@ -303,7 +301,7 @@ def _shared_group_and_device(joinables: list[AnyJoinable]) -> tuple[Any, torch.d
     """Return the process group every joinable uses and the first joinable's device."""
     process_group = joinables[0].join_process_group
     if any(joinable.join_process_group != process_group for joinable in joinables[1:]):
-        raise ValueError("Join needs all its joinables on one process group, but they use several")
+        raise ValueError("Using join context manager with multiple process groups")
     return process_group, joinables[0].join_device
 
 
