@@ -11,11 +11,12 @@ import json
 import logging
 import os
 import threading
-from typing import Sequence
+import weakref
+from typing import Callable, Sequence
 from urllib.parse import urlparse
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
@@ -83,13 +84,16 @@ def _count_export_failure() -> None:
         metrics.telemetry_errors.labels(rank=rank_label(), reason="span_export_failed").inc()
 
 
-def _otlp_exporter(endpoint: str | None, protocol: str | None, timeout_s: float | None) -> SpanExporter:
-    protocol = (
+def _resolved_protocol(protocol: str | None) -> str:
+    return (
         protocol
         or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
         or "http/protobuf"
     )
+
+
+def _otlp_exporter(endpoint: str | None, protocol: str, timeout_s: float | None) -> SpanExporter:
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
@@ -114,8 +118,10 @@ def configure_tracing(
     """Set up the OpenTelemetry SDK so tensorplay's spans are exported, in one call.
 
     Arguments:
-        service_name: ``service.name`` of the Resource (default: ``OTEL_SERVICE_NAME``, else
-            ``tensorplay``). The rank (``RANK``) and world size are added to the Resource.
+        service_name: ``service.name`` of the Resource. OpenTelemetry's precedence holds: this
+            argument, else ``service.name`` in ``resource_attributes``, else ``OTEL_SERVICE_NAME``,
+            else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``, else ``tensorplay``. The rank
+            (``RANK``) and world size are added to the Resource.
         endpoint: OTLP endpoint (default: ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, else the
             exporter's localhost default). An http base URL gets ``/v1/traces`` appended.
         protocol: ``http/protobuf`` or ``grpc`` (default: ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``,
@@ -127,27 +133,51 @@ def configure_tracing(
     Spans leave through a batch processor: a collector that is down or slow drops spans (each
     failed export counted in ``tensorplay_telemetry_errors_total``) and never blocks training.
     If the application already set an SDK provider, the exporters are added to it.
+
+    Calling it again is harmless: it returns the same provider and adds only exporters that no
+    earlier call added to it (an OTLP exporter per endpoint and protocol, one per span file), so
+    no span is ever exported twice to one destination.
     """
+    current = trace.get_tracer_provider()
+    if isinstance(current, TracerProvider):
+        provider = current
+    else:
+        provider = TracerProvider(resource=_resource(service_name, resource_attributes))
+        trace.set_tracer_provider(provider)
+    # Unless the environment says otherwise, give up on an export after 5 s rather than 10 s.
+    env_timeout = any(k in os.environ for k in ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"))
+    timeout_s = None if env_timeout else 5.0
+    if otlp:
+        resolved = _resolved_protocol(protocol)
+        _add_once(provider, ("otlp", endpoint, resolved), lambda: _otlp_exporter(endpoint, resolved, timeout_s))
+    if span_file is not None:
+        path = os.path.abspath(span_file)
+        _add_once(provider, ("file", path), lambda: JsonLinesSpanExporter(path))
+    return provider
+
+
+_added_exporters: weakref.WeakKeyDictionary[TracerProvider, set[tuple]] = weakref.WeakKeyDictionary()
+_added_lock = threading.Lock()
+
+
+def _add_once(provider: TracerProvider, key: tuple, make: Callable[[], SpanExporter]) -> None:
+    """Add a batch processor for the exporter ``make`` builds, unless ``key`` was added to ``provider``."""
+    with _added_lock:
+        added = _added_exporters.setdefault(provider, set())
+        if key in added:
+            return
+        provider.add_span_processor(BatchSpanProcessor(_CountingExporter(make())))
+        added.add(key)
+
+
+def _resource(service_name: str | None, resource_attributes: dict[str, object] | None) -> Resource:
+    """The Resource of a new provider: rank and world size, the standard variables, the arguments."""
     attributes: dict[str, object] = {"tensorplay.rank": int(os.environ.get("RANK", "0"))}
     if "WORLD_SIZE" in os.environ:
         attributes["tensorplay.world_size"] = int(os.environ["WORLD_SIZE"])
     attributes.update(resource_attributes or {})
     if service_name is not None:
         attributes["service.name"] = service_name
-    elif not os.environ.get("OTEL_SERVICE_NAME"):
-        attributes["service.name"] = "tensorplay"
-
-    current = trace.get_tracer_provider()
-    if isinstance(current, TracerProvider):
-        provider = current
-    else:
-        provider = TracerProvider(resource=Resource.create(attributes))
-        trace.set_tracer_provider(provider)
-    # Unless the environment says otherwise, give up on an export after 5 s rather than 10 s.
-    env_timeout = any(k in os.environ for k in ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"))
-    timeout_s = None if env_timeout else 5.0
-    if otlp:
-        provider.add_span_processor(BatchSpanProcessor(_CountingExporter(_otlp_exporter(endpoint, protocol, timeout_s))))
-    if span_file is not None:
-        provider.add_span_processor(BatchSpanProcessor(_CountingExporter(JsonLinesSpanExporter(span_file))))
-    return provider
+    elif "service.name" not in attributes and "service.name" not in OTELResourceDetector().detect().attributes:
+        attributes["service.name"] = "tensorplay"  # neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES names one
+    return Resource.create(attributes)
