@@ -146,6 +146,17 @@ def _compare_case(rank: int, hooks: tuple[Callable, Callable], case: tuple[dict,
     return compressed and _equal(mine, reference) and _same_state(ours_state, torch_state)
 
 
+def _compare_waited(rank: int, hooks: tuple[Callable, Callable], case: tuple[dict, int, str]) -> bool:
+    """Ours and torch's hook, each waited for inside the same wrapper: same parameters and state."""
+    arguments, steps, _ = case
+    ours_hook, torch_hook = hooks
+    ours_state = PowerSGDState(None, **arguments)
+    mine = train(rank, _in_turn(ours_hook), ours_state, steps=steps)
+    torch_state = torch_powersgd.PowerSGDState(None, **arguments)
+    reference = train(rank, _in_turn(torch_hook), torch_state, steps=steps)
+    return ours_state.compression_stats()[0] > 1 and _equal(mine, reference) and _same_state(ours_state, torch_state)
+
+
 def _train_finding_unused(rank: int, hook: Callable, state: Any, steps: int) -> list[torch.Tensor]:
     """Train with ``find_unused_parameters``: DDP then allreduces a map right after the last bucket."""
     model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True)
@@ -184,6 +195,13 @@ def _compare_with_torch(rank: int, world_size: int, full: bool) -> dict[str, Any
     with _batched_orthogonalization():
         for name, case in batched_cases.items():
             report[f"batched_powerSGD_hook: {name}"] = _compare_case(rank, batched_hooks, case, jitter=False)
+    # A wrapper that waits for the future inside the hook, as torch's tests and timing wrappers do:
+    # each future must complete without the next hook call (it used to hang here).
+    report["powerSGD_hook: waited inside a wrapper"] = _compare_waited(rank, layer_hooks, LAYER_CASES["error feedback + warm start, rank 1"])
+    with _batched_orthogonalization():
+        report["batched_powerSGD_hook: waited inside a wrapper"] = _compare_waited(
+            rank, batched_hooks, BATCHED_CASES["error feedback + warm start, rank 1"]
+        )
     if full:
         report["powerSGD_hook: jittered timing"] = _compare_case(
             rank, layer_hooks, LAYER_CASES["error feedback + warm start, rank 1"], jitter=True

@@ -5,10 +5,12 @@ so swapping the import changes no gradient bit. Two things differ on purpose:
 
 * Every rank issues its collectives in one fixed order. torch's hooks launch the second round of a
   bucket's collectives from future callbacks, whose timing differs between ranks, so with several
-  buckets gloo pairs up collectives of different buckets and aborts or hangs. Here every
-  collective is launched from a hook call, and DDP calls the hook bucket by bucket, in index
-  order, on every rank: a bucket's second round is launched by the call for the next bucket,
-  after its first round completed (it usually has by then), and the last bucket's by its own.
+  buckets gloo pairs up collectives of different buckets and aborts or hangs. Here too the second
+  round is launched as soon as the bucket's first round completed (from the completing callback,
+  so every future completes on its own, even one a wrapper waits for inside the hook), but the
+  hook call for the next bucket launches nothing before that second round is out. DDP calls the
+  hook bucket by bucket, in index order, on every rank, so the order is the same everywhere:
+  first round, second round, then the next bucket's first round.
 * ``batched_powerSGD_hook`` hands its orthogonalization the batch it expects (torch's asserts on
   its first compressing step) and honours ``orthogonalization_epsilon``.
 
@@ -20,6 +22,7 @@ anyway. Nothing is computed for telemetry when nobody traces the call.
 import functools
 import logging
 import math
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from numbers import Real
@@ -40,32 +43,6 @@ logger = logging.getLogger(__name__)
 
 _KIND = "powersgd"
 _SEED_BOUND = 1_000_000_000
-
-
-@dataclass
-class _SecondRound:
-    """A compressed bucket whose second round of collectives is not launched yet.
-
-    ``first_round`` are the futures of the bucket's first round; ``launch`` computes what the
-    second round sends, launches it and returns the future of the decompressed bucket, which
-    ``result`` (the future DDP holds) then forwards.
-    """
-
-    first_round: list[torch.futures.Future]
-    launch: Callable[[], torch.futures.Future[torch.Tensor]]
-    result: torch.futures.Future[torch.Tensor]
-
-    def run(self) -> None:
-        """Wait for the first round, then launch the second; failures end up in ``result``."""
-        try:
-            for future in self.first_round:
-                future.wait()
-            decompressed = self.launch()
-        except Exception as error:  # DDP raises it when it waits for this bucket
-            self.result.set_exception(error)
-            return
-        # The callback holds the result only, for the reason given in _finish.
-        decompressed.add_done_callback(functools.partial(_forward, self.result))
 
 
 def _forward(result: torch.futures.Future[torch.Tensor], done: torch.futures.Future[torch.Tensor]) -> None:
@@ -136,9 +113,9 @@ class PowerSGDState:
         "total_numel_after_compression",
         "compression_stats_logging_frequency",
         "next_stats_report",
-        "_second_round",
+        "_second_round_out",
     ]
-    _TRANSIENT = ("process_group", "_second_round")
+    _TRANSIENT = ("process_group", "_second_round_out")
 
     def __init__(
         self,
@@ -201,7 +178,8 @@ class PowerSGDState:
         self.total_numel_after_compression = 0
         self.compression_stats_logging_frequency = max(1, compression_stats_logging_frequency)
         self.next_stats_report = 0
-        self._second_round: Optional[_SecondRound] = None
+        # Set once the second round of the latest compressed bucket has been launched.
+        self._second_round_out: Optional[threading.Event] = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Return what a checkpoint keeps: everything but the process group and in-flight work."""
@@ -210,7 +188,7 @@ class PowerSGDState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled state on the default process group."""
         self.process_group = distributed_c10d._get_default_group()
-        self._second_round = None
+        self._second_round_out = None
         logger.warning(
             "PowerSGDState restored on the default process group; "
             "assign state.process_group to use another one"
@@ -375,27 +353,48 @@ def _schedule(
     launch: Callable[[], torch.futures.Future[torch.Tensor]],
     device: torch.device,
 ) -> torch.futures.Future[torch.Tensor]:
-    """Defer the bucket's second round to the next hook call, or run it now for the last bucket.
+    """Launch the bucket's second round once its first round completed; return the result's future.
 
-    The last bucket's second round is launched here, not from a callback, because DDP may launch
-    a collective of its own right after the last hook call (the unused-parameter map).
+    The launch happens in the callback of the first round, so the future completes without any
+    further hook call. The next hook call waits until it is out (:func:`_await_second_round`),
+    and so does the last bucket's own call, because DDP may launch a collective of its own right
+    after the last hook call (the unused-parameter map).
     """
     result: torch.futures.Future[torch.Tensor] = (
         torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
     )
-    second_round = _SecondRound(first_round, launch, result)
+    out = threading.Event()
+    # The callback drops ``launch`` once it ran: what a future's callback still holds when it is
+    # destroyed on a gloo worker thread must not hold the process group (gloo aborts dropping
+    # its last reference there).
+    pending = [launch]
+
+    def second_round(_: Any) -> None:
+        try:
+            for future in first_round:
+                future.wait()  # re-raises a failed first round
+            decompressed = pending.pop()()
+        except Exception as error:  # DDP raises it when it waits for this bucket
+            pending.clear()
+            result.set_exception(error)
+            return
+        finally:
+            out.set()
+        decompressed.add_done_callback(functools.partial(_forward, result))
+
+    torch.futures.collect_all(first_round).add_done_callback(second_round)
     if bucket.is_last():
-        second_round.run()
+        out.wait()
     else:
-        state._second_round = second_round
+        state._second_round_out = out
     return result
 
 
-def _launch_pending(state: PowerSGDState) -> None:
-    """Launch the previous bucket's second round before this bucket launches anything."""
-    second_round, state._second_round = state._second_round, None
-    if second_round is not None:
-        second_round.run()
+def _await_second_round(state: PowerSGDState) -> None:
+    """Wait until the previous bucket's second round is launched, before this bucket launches anything."""
+    out, state._second_round_out = state._second_round_out, None
+    if out is not None:
+        out.wait()
 
 
 def _report_compression_stats(bucket: dist.GradBucket, state: PowerSGDState) -> None:
@@ -429,10 +428,10 @@ def _run_hook(
 
 
 def _begin(state: Any, bucket: dist.GradBucket, hook_name: str) -> tuple[dist.ProcessGroup, bool]:
-    """Validate the call and launch pending work; return the group and whether to compress."""
+    """Validate the call and wait for pending work; return the group and whether to compress."""
     group = _check_state(state, hook_name)
     check_floating_bucket(bucket.buffer(), hook_name)
-    _launch_pending(state)
+    _await_second_round(state)
     return group, state.iter >= state.start_powerSGD_iter
 
 
@@ -609,9 +608,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     The first ``state.start_powerSGD_iter`` iterations are plain averaging allreduces.
 
     Results equal torch's ``powerSGD_hook`` bit for bit. Unlike torch's, the hook issues its
-    collectives in the same order on every rank, so any number of buckets works on gloo: the
-    future of a bucket other than the last completes once the hook has been called for the next
-    one, as DDP always does.
+    collectives in the same order on every rank, so any number of buckets works on gloo; like
+    torch's, its future completes on its own (a wrapper may wait for it inside the hook).
 
     Arguments:
         state (PowerSGDState): hyperparameters and per-bucket memory; one state per model.
