@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["compression_figures", "to_number"]
+__all__ = ["compression_figures", "to_number", "error_value"]
 
 # Elements per slice of the CPU error pass: small enough for the scratch slice to stay in cache.
 _SLICE = 1 << 16
@@ -122,5 +122,18 @@ def _nonfinite_count(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def to_number(figure: Figure) -> float | int:
-    """Resolve a figure to a Python number (blocks on a CUDA tensor: resolver thread only)."""
+    """Resolve a figure to a Python number (on CUDA: once its stage's ready stamp has happened)."""
     return figure.item() if isinstance(figure, torch.Tensor) else figure
+
+
+def error_value(figure: Figure | None) -> float | None:
+    """The relative error as a number, or None where it is not finite (a bucket that overflowed).
+
+    The one rule for both paths: the CPU pass already gives None there, the CUDA figure is a
+    device tensor that may hold inf or NaN, and one such value in the error histogram would
+    turn its ``_sum`` into +Inf for the rest of the run.
+    """
+    if figure is None:
+        return None
+    value = float(to_number(figure))
+    return value if math.isfinite(value) else None

@@ -13,6 +13,7 @@ import threading
 import warnings
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .inflight import CollectivesInFlight
 from .names import Metric
 from .server import MetricsServer
 
@@ -74,6 +75,12 @@ class TensorplayMetrics:
         self.last_step_timestamp = Gauge(
             Metric.LAST_STEP_TIMESTAMP, "Unix time of this rank's latest hook call.", rank_label, registry=r
         )
+        self.collective_waiting_since = Gauge(
+            Metric.COLLECTIVE_WAITING_SINCE,
+            "Unix time this rank launched the oldest traced collective still in flight; 0 when none is.",
+            rank_label, registry=r,
+        )
+        self.collectives_in_flight = CollectivesInFlight(self.collective_waiting_since)
         self.join_timestamp = Gauge(
             Metric.JOIN_TIMESTAMP, "Unix time this rank ran out of inputs (latest Join).", rank_label, registry=r
         )

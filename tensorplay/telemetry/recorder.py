@@ -2,24 +2,26 @@
 
 A :class:`BucketRecord` is the probe's recorder for that call: the hook reports its collectives
 and compression stages to it on the training thread (cheaply: stamps and 0-dim figures), the
-futures' callbacks stamp completions, and the resolver turns the finished record into a span
-and metrics. Nothing here may raise into training: failures are logged and counted.
+futures' callbacks stamp completions and keep the live in-flight gauge, and the resolver turns
+the finished record into metrics and a span. Nothing here may raise into training: failures
+are logged, counted and mark the span incomplete.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from opentelemetry import trace
 
 from . import figures
 from .metrics import TensorplayMetrics
+from .spans import OwnedSpan
 from .timing import Stamp, stamp
 
-__all__ = ["BucketRecord", "CompressionStage"]
+__all__ = ["BucketRecord", "CollectiveEnds", "CompressionStage"]
 
 _logger = logging.getLogger(__name__)
 
@@ -34,6 +36,28 @@ class CompressionStage:
     """Elements compression made non-finite."""
     input_nonfinite: figures.Figure
     """Elements already non-finite in what this stage compressed."""
+    ready: Stamp | None = None
+    """On CUDA, reached once the figures (computed on whatever stream was current) are written."""
+
+
+class CollectiveEnds:
+    """When one hook call's collectives completed: all that the next step's compute time needs.
+
+    Kept apart from the record so that a step keeps only this of the previous step alive.
+    """
+
+    __slots__ = ("stamps", "completed")
+
+    def __init__(self) -> None:
+        self.stamps: list[Stamp | None] = []
+        self.completed: Stamp | None = None
+
+    def last(self) -> Stamp | None:
+        """Completion of the last collective (or of the hook's future if none was reported)."""
+        ends = [end for end in self.stamps if end is not None]
+        if ends:
+            return max(ends, key=lambda s: s.monotonic_ns)
+        return self.completed
 
 
 class BucketRecord:
@@ -50,14 +74,16 @@ class BucketRecord:
         bucket_index: int,
         buffer: torch.Tensor,
         sample_error: bool,
-        span: trace.Span,
+        span: OwnedSpan,
         metrics: TensorplayMetrics | None,
-        previous_step_end: BucketRecord | None,
+        previous_step_end: CollectiveEnds | None,
+        on_collective_end: Callable[[Stamp, Callable[[], None]], None],
     ) -> None:
         self.hook = hook
         self.reports_collectives = reports_collectives
         self.step = step
         self.rank = rank
+        self.rank_label = str(rank)
         self.world_size = world_size
         self.bucket_index = bucket_index
         self.numel = buffer.numel()
@@ -68,34 +94,43 @@ class BucketRecord:
         self.span = span
         self.metrics = metrics
         self.previous_step_end = previous_step_end
+        self._on_collective_end = on_collective_end
         self.called = stamp(self.device)
         self.launches: list[Stamp] = []
-        self.collective_ends: list[Stamp | None] = []
+        self.ends = CollectiveEnds()
+        self._in_flight: list[int | None] = []
         self.wire_bytes = 0
         self.stages: list[CompressionStage] = []
         self.returned_buffer_bytes: int | None = None
-        self.completed: Stamp | None = None
-        self.failed = False
+        self.error: BaseException | None = None
+        """The failure of the hook's future or of one of its collectives."""
+        self.failures: list[str] = []
+        """Where telemetry failed for this call (the span is then marked incomplete)."""
 
     # -- the probe's HookRecorder protocol (training thread and future callbacks) --
 
     def collective_launching(self, tensor: torch.Tensor) -> int:
         try:
-            self.launches.append(stamp(tensor.device))
-            self.collective_ends.append(None)
+            launch = stamp(tensor.device)
+            token = None
+            if self.metrics is not None:
+                token = self.metrics.collectives_in_flight.launched(self.rank_label, launch.unix_ns / 1e9)
+            self.launches.append(launch)
+            self.ends.stamps.append(None)
+            self._in_flight.append(token)
             self.wire_bytes += tensor.numel() * tensor.element_size()
             return len(self.launches) - 1
         except Exception:
-            self._failed("collective_launching")
+            self.note_failure("collective_launching")
             return -1
 
     def collective_launched(self, token: int, future: torch.futures.Future) -> None:
         if token < 0:
             return
         try:
-            future.add_done_callback(lambda _: self._collective_done(token))
+            future.add_done_callback(functools.partial(self._collective_done, token))
         except Exception:
-            self._failed("collective_launched")
+            self.note_failure("collective_launched")
 
     def wants_compression_error(self) -> bool:
         return self.sample_error
@@ -114,17 +149,20 @@ class BucketRecord:
                 error, nonfinite, input_nonfinite = figures.compression_figures(
                     original, approximation, scale, residual, with_error=self.sample_error
                 )
-            self.stages.append(CompressionStage(kind, error, nonfinite, input_nonfinite))
+            ready = stamp(original.device) if original.is_cuda else None
+            self.stages.append(CompressionStage(kind, error, nonfinite, input_nonfinite, ready))
         except Exception:
-            self._failed("compression")
+            self.note_failure("compression")
 
     # -- bookkeeping of the traced wrapper --
 
-    def hook_returned(self, future: torch.futures.Future, bucket: Any, on_complete: Any) -> torch.futures.Future:
-        """Return the future DDP gets: the hook's value, once ``on_complete(record)`` has run.
+    def follow(
+        self, future: torch.futures.Future, bucket: Any, on_complete: Callable[["BucketRecord"], None]
+    ) -> torch.futures.Future:
+        """Return the future DDP gets: the hook's value (or failure), once ``on_complete(record)`` ran.
 
         Chaining (rather than a done-callback, which may run after waiters wake) means that when
-        DDP's wait returns, the call's span and metrics are already handed over.
+        DDP's wait returns, the call's metrics are recorded and its span handed over.
         """
         if not self.reports_collectives:
             buffer = bucket.buffer()
@@ -132,26 +170,41 @@ class BucketRecord:
 
         def completed(done: torch.futures.Future) -> Any:
             try:
-                self.completed = stamp(self.device)
-                on_complete(self)
-            except Exception:
-                self._failed("completion")
-            return done.value()
+                value = done.value()
+            except Exception as error:
+                self.error = self.error or error
+                self._complete(on_complete)
+                raise
+            self._complete(on_complete)
+            return value
 
         return future.then(completed)
 
-    def end_stamp(self) -> Stamp | None:
-        """Completion of the last collective (or of the hook's future if none was reported)."""
-        ends = [end for end in self.collective_ends if end is not None]
-        if ends:
-            return max(ends, key=lambda s: s.monotonic_ns)
-        return self.completed
+    def _complete(self, on_complete: Callable[["BucketRecord"], None]) -> None:
+        try:
+            self.ends.completed = stamp(self.device)
+        except Exception:
+            self.note_failure("completion")
+        on_complete(self)
 
-    def _collective_done(self, index: int) -> None:
-        self.collective_ends[index] = stamp(self.device)
+    def _collective_done(self, index: int, future: torch.futures.Future) -> None:
+        try:
+            end = stamp(self.device)
+            self.ends.stamps[index] = end
+            try:
+                future.value()
+            except Exception as error:
+                self.error = self.error or error
+            token = self._in_flight[index]
+            if token is not None and self.metrics is not None:
+                in_flight = self.metrics.collectives_in_flight
+                self._on_collective_end(end, functools.partial(in_flight.completed, self.rank_label, token))
+        except Exception:
+            self.note_failure("collective_done")
 
-    def _failed(self, where: str) -> None:
-        self.failed = True
+    def note_failure(self, where: str) -> None:
+        """Log and count a telemetry failure at ``where``; the span will say it is incomplete."""
+        self.failures.append(where)
         _logger.warning("tensorplay: telemetry failed in %s; training goes on", where, exc_info=True)
         try:
             if self.metrics is not None:

@@ -1,67 +1,93 @@
-"""Finishes hook records off the training thread: resolves timings, ends spans, feeds metrics.
+"""Finishes hook records: resolves timings and figures, records metrics, hands spans to be ended.
 
-Every traced call is counted as pending from the moment it starts; its record arrives here when
-the hook's future completes. CUDA timings and figures are resolved here (waiting on events is
-fine on this thread), so the training thread never synchronizes the device; CPU records take
-the same path and are finished before DDP sees their future complete. :func:`flush` waits
-until every pending call has been finished.
+Every traced call is counted as pending from the moment it starts until its span has ended (or
+was dropped). A CPU record holds clock readings and numbers, so it is finished in the callback
+that completes the hook's future: when DDP's wait returns, the metrics are recorded. A CUDA
+record waits, on the event watcher's thread, for its events and figures to be ready; the
+training thread never synchronizes the device. Spans are ended by the :class:`SpanEnder`,
+never on the path DDP waits for. :func:`flush` waits until every pending call is finished.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
-import queue
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
-from opentelemetry import trace
-
-from .figures import to_number
+from .device_events import EventWatcher
+from .figures import error_value, to_number
 from .names import Attr
 from .recorder import BucketRecord
-from .timing import seconds_between
+from .spans import OwnedSpan, SpanEnd, SpanEnder
+from .timing import Stamp, happened, seconds_between, unix_ns
 
 __all__ = ["Resolver", "resolver", "flush"]
 
-# How long a CPU hook future waits for its record to be finished before going on regardless.
-_CPU_HANDOFF_TIMEOUT_S = 5.0
-
 _logger = logging.getLogger(__name__)
+
+# How long the exit hook waits for the spans of the last steps.
+_EXIT_FLUSH_S = 5.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The numbers of one finished hook call."""
+
+    latency_s: float
+    compute_s: float | None
+    wire_bytes: int
+    collectives: int
+    nonfinite: int
+    bucket_nonfinite: int | None
+    relative_error: float | None
+    end_unix_ns: int | None
 
 
 class Resolver:
-    """A daemon thread that finishes :class:`BucketRecord` s in the order they complete."""
+    """Turns completed records into metrics and spans, and knows how many are still pending."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[BucketRecord, threading.Event | None]] = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self._ender = SpanEnder()
+        self._watcher = EventWatcher()
+        self._exit_flush_registered = False
 
     def started(self) -> None:
-        """Count one traced call as pending (call it before the hook runs)."""
+        """Count one traced call as pending (call it once its record exists)."""
         with self._idle:
             self._pending += 1
+            if not self._exit_flush_registered:
+                # Registered at the first traced call, after the application's tracer provider
+                # exists, so it runs before that provider's own exit hook shuts its exporters.
+                self._exit_flush_registered = True
+                atexit.register(self.flush, _EXIT_FLUSH_S)
 
-    def abandoned(self) -> None:
-        """Un-count a pending call whose hook raised before returning a future."""
-        self._done()
+    def pending(self) -> int:
+        """Traced calls whose span has not ended yet."""
+        with self._idle:
+            return self._pending
 
-    def submit(self, record: BucketRecord) -> None:
-        """Hand over a record whose hook future completed, to be finished on this thread.
+    def completed(self, record: BucketRecord) -> None:
+        """The hook's future of ``record`` completed (with a value or an error): finish the record."""
+        if record.device.type == "cuda":
+            self._watcher.when(lambda: _events_happened(record), lambda: self._finish(record, wait=False))
+        else:
+            self._finish(record, wait=True)
 
-        A CUDA record may wait for its events here, so the caller goes on at once and the span
-        ends later. A CPU record holds clock readings and numbers only: the caller waits (briefly)
-        until it is finished, so the span has ended by the time DDP sees the hook's future
-        complete, and the CPU path runs through the very same thread and queue as the CUDA one.
-        """
-        if self._thread is None:
-            self._start()
-        finished = threading.Event() if record.device.type == "cpu" else None
-        self._queue.put((record, finished))
-        if finished is not None and not finished.wait(_CPU_HANDOFF_TIMEOUT_S):
-            _logger.warning("tensorplay: a hook record is finishing late; training goes on")
+    def abandoned(self, span: OwnedSpan, error: BaseException | None = None, incomplete: str | None = None) -> None:
+        """End the span of a pending call that produced no record to finish (the hook raised, say)."""
+        self._ender.submit(SpanEnd(span, error=error, incomplete=incomplete, then=self._done))
+
+    def after_collective(self, end: Stamp, action: Callable[[], None]) -> None:
+        """Run ``action`` once a collective's completion stamp ``end`` has happened."""
+        if end.event is None:
+            action()
+        else:
+            self._watcher.when(lambda: happened(end), action)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every pending call is finished; False if ``timeout`` ran out first."""
@@ -74,24 +100,22 @@ class Resolver:
                 self._idle.wait(remaining)
         return True
 
-    def _start(self) -> None:
-        with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tensorplay-resolver", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            record, finished = self._queue.get()
-            try:
-                finish(record)
-            except Exception:
-                _logger.warning("tensorplay: could not finish a hook record; training goes on", exc_info=True)
-                _count_failure(record)
-            finally:
-                if finished is not None:
-                    finished.set()
-                self._done()
+    def _finish(self, record: BucketRecord, wait: bool) -> None:
+        job = SpanEnd(record.span, error=record.error, then=self._done, dropped=lambda: _count(record, "span_dropped"))
+        try:
+            outcome = resolve(record)
+            observe(record, outcome)
+            if record.span.is_recording:
+                job.attributes = span_attributes(record, outcome)
+            job.end_time = outcome.end_unix_ns
+            if record.failures:
+                job.incomplete = f"tensorplay telemetry incomplete ({', '.join(record.failures)})"
+        except Exception:
+            _logger.warning("tensorplay: could not finish a hook record; training goes on", exc_info=True)
+            _count(record, "resolver")
+            job.incomplete = "tensorplay could not finish this record"
+        if self._ender.submit(job) and wait:
+            self._ender.wait_briefly(job)
 
     def _done(self) -> None:
         with self._idle:
@@ -100,13 +124,43 @@ class Resolver:
                 self._idle.notify_all()
 
 
-def _count_failure(record: BucketRecord) -> None:
-    """Count a record that could not be finished, unless counting fails too (the thread lives on)."""
+def _events_happened(record: BucketRecord) -> bool:
+    """Whether every CUDA event the record's numbers are read from has completed."""
+    points = [record.called, record.ends.completed, *record.launches, *record.ends.stamps]
+    points += [stage.ready for stage in record.stages if stage.ready is not None]
+    if record.previous_step_end is not None and record.previous_step_end.last() is not None:
+        points.append(record.previous_step_end.last())
+    return all(happened(point) for point in points if point is not None)
+
+
+def _count(record: BucketRecord, reason: str) -> None:
+    """Count a telemetry problem of ``record``, unless counting fails too."""
     try:
         if record.metrics is not None:
-            record.metrics.count_error(record.rank, "resolver")
+            record.metrics.count_error(record.rank, reason)
     except Exception:
-        _logger.debug("tensorplay: could not count a resolver failure", exc_info=True)
+        _logger.debug("tensorplay: could not count %s", reason, exc_info=True)
+
+
+def resolve(record: BucketRecord) -> Outcome:
+    """Read the numbers of a completed record (on CUDA: once its events happened)."""
+    stages = record.stages
+    errors = [error_value(stage.relative_error) for stage in stages]
+    completed = record.ends.completed
+    return Outcome(
+        latency_s=latency_seconds(record),
+        compute_s=_compute_seconds(record),
+        wire_bytes=wire_bytes(record),
+        collectives=collective_count(record),
+        nonfinite=sum(int(to_number(stage.nonfinite)) for stage in stages),
+        # What the first stage compressed is the bucket as DDP handed it over.
+        bucket_nonfinite=int(to_number(stages[0].input_nonfinite)) if stages else None,
+        # Stages compose (a wrapper around a compressing hook): their relative errors add up,
+        # which bounds the end-to-end error to first order (triangle inequality). One stage is
+        # exact. A stage without a finite figure leaves the call without one.
+        relative_error=float(sum(errors)) if stages and None not in errors else None,  # type: ignore[arg-type]
+        end_unix_ns=unix_ns(completed, record.called) if completed is not None else None,
+    )
 
 
 def latency_seconds(record: BucketRecord) -> float:
@@ -116,11 +170,11 @@ def latency_seconds(record: BucketRecord) -> float:
     future's completion; a tensorplay hook that launched none (``noop_hook``) took no time.
     """
     if record.launches:
-        end = record.end_stamp()
+        end = record.ends.last()
         return seconds_between(record.launches[0], end) if end is not None else 0.0
-    if record.reports_collectives or record.completed is None:
+    if record.reports_collectives or record.ends.completed is None:
         return 0.0
-    return seconds_between(record.called, record.completed)
+    return seconds_between(record.called, record.ends.completed)
 
 
 def collective_count(record: BucketRecord) -> int:
@@ -137,76 +191,60 @@ def wire_bytes(record: BucketRecord) -> int:
     return record.returned_buffer_bytes if record.returned_buffer_bytes is not None else record.bytes
 
 
-def finish(record: BucketRecord) -> None:
-    """Resolve ``record`` and emit its span attributes, span end and metric observations."""
-    latency = latency_seconds(record)
-    stages = record.stages
-    nonfinite = sum(int(to_number(stage.nonfinite)) for stage in stages)
-    # What the first stage compressed is the bucket as DDP handed it over.
-    bucket_nonfinite = int(to_number(stages[0].input_nonfinite)) if stages else None
-    errors = [to_number(stage.relative_error) for stage in stages if stage.relative_error is not None]
-    # Stages compose (a wrapper around a compressing hook): their relative errors add up, which
-    # bounds the end-to-end error to first order (triangle inequality). One stage is exact.
-    relative_error = float(sum(errors)) if stages and len(errors) == len(stages) else None
-    compute = _compute_seconds(record)
+def span_attributes(record: BucketRecord, outcome: Outcome) -> dict[str, object]:
+    """The contract's span attributes of one hook call."""
+    attributes: dict[str, object] = {
+        Attr.HOOK: record.hook,
+        Attr.RANK: record.rank,
+        Attr.WORLD_SIZE: record.world_size,
+        Attr.STEP: record.step,
+        Attr.BUCKET_INDEX: record.bucket_index,
+        Attr.BUCKET_NUMEL: record.numel,
+        Attr.BUCKET_BYTES: record.bytes,
+        Attr.BUCKET_WIRE_BYTES: outcome.wire_bytes,
+        Attr.BUCKET_DTYPE: record.dtype,
+        Attr.COMPRESSION_NONFINITE: outcome.nonfinite,
+        Attr.ALLREDUCE_LATENCY_MS: outcome.latency_s * 1e3,
+        Attr.ALLREDUCE_COUNT: outcome.collectives,
+    }
+    if record.stages:
+        attributes[Attr.COMPRESSION_DTYPE] = "+".join(stage.kind for stage in record.stages)
+        attributes[Attr.BUCKET_NONFINITE] = outcome.bucket_nonfinite
+        if outcome.relative_error is not None:
+            attributes[Attr.COMPRESSION_RELATIVE_ERROR] = outcome.relative_error
+    return attributes
 
-    span = record.span
-    exemplar = _exemplar(span)
-    if span.is_recording():
-        attributes = {
-            Attr.HOOK: record.hook,
-            Attr.RANK: record.rank,
-            Attr.WORLD_SIZE: record.world_size,
-            Attr.STEP: record.step,
-            Attr.BUCKET_INDEX: record.bucket_index,
-            Attr.BUCKET_NUMEL: record.numel,
-            Attr.BUCKET_BYTES: record.bytes,
-            Attr.BUCKET_WIRE_BYTES: wire_bytes(record),
-            Attr.BUCKET_DTYPE: record.dtype,
-            Attr.COMPRESSION_NONFINITE: nonfinite,
-            Attr.ALLREDUCE_LATENCY_MS: latency * 1e3,
-            Attr.ALLREDUCE_COUNT: collective_count(record),
-        }
-        if stages:
-            attributes[Attr.COMPRESSION_DTYPE] = "+".join(stage.kind for stage in stages)
-            attributes[Attr.BUCKET_NONFINITE] = bucket_nonfinite
-            if relative_error is not None:
-                attributes[Attr.COMPRESSION_RELATIVE_ERROR] = relative_error
-        span.set_attributes(attributes)
-        if record.failed:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, "tensorplay telemetry incomplete"))
-        end = record.completed.unix_ns if record.completed is not None else None
-        span.end(end_time=end)
 
+def observe(record: BucketRecord, outcome: Outcome) -> None:
+    """Record the call's metric observations (nothing when metrics are off)."""
     metrics = record.metrics
     if metrics is None:
         return
-    rank = str(record.rank)
-    metrics.allreduce_latency.labels(rank=rank, hook=record.hook).observe(latency, exemplar)
-    metrics.bucket_bytes.labels(rank=rank, hook=record.hook).inc(record.bytes)
-    metrics.wire_bytes.labels(rank=rank, hook=record.hook).inc(wire_bytes(record))
-    metrics.nonfinite.labels(rank=rank, hook=record.hook).inc(nonfinite)
-    if bucket_nonfinite is not None:
-        metrics.bucket_nonfinite.labels(rank=rank, hook=record.hook).inc(bucket_nonfinite)
-    if relative_error is not None:
-        metrics.compression_error.labels(rank=rank, hook=record.hook).observe(relative_error)
-    if compute is not None:
-        metrics.step_compute.labels(rank=rank).observe(compute)
-    metrics.last_step_timestamp.labels(rank=rank).set(record.called.unix_ns / 1e9)
+    rank, hook = record.rank_label, record.hook
+    metrics.allreduce_latency.labels(rank=rank, hook=hook).observe(outcome.latency_s, _exemplar(record.span))
+    metrics.bucket_bytes.labels(rank=rank, hook=hook).inc(record.bytes)
+    metrics.wire_bytes.labels(rank=rank, hook=hook).inc(outcome.wire_bytes)
+    metrics.nonfinite.labels(rank=rank, hook=hook).inc(outcome.nonfinite)
+    if outcome.bucket_nonfinite is not None:
+        metrics.bucket_nonfinite.labels(rank=rank, hook=hook).inc(outcome.bucket_nonfinite)
+    if outcome.relative_error is not None:
+        metrics.compression_error.labels(rank=rank, hook=hook).observe(outcome.relative_error)
+    if outcome.compute_s is not None:
+        metrics.step_compute.labels(rank=rank).observe(outcome.compute_s)
 
 
 def _compute_seconds(record: BucketRecord) -> float | None:
     previous = record.previous_step_end
     if previous is None:
         return None
-    end = previous.end_stamp()
+    end = previous.last()
     return seconds_between(end, record.called) if end is not None else None
 
 
-def _exemplar(span: trace.Span) -> dict[str, str] | None:
-    if not span.is_recording():
+def _exemplar(span: OwnedSpan) -> dict[str, str] | None:
+    if not span.is_recording:
         return None
-    context = span.get_span_context()
+    context = span.context
     return {"trace_id": format(context.trace_id, "032x"), "span_id": format(context.span_id, "016x")}
 
 
@@ -219,5 +257,5 @@ def resolver() -> Resolver:
 
 
 def flush(timeout: float | None = 30.0) -> bool:
-    """Wait until every traced hook call so far has its span ended and metrics recorded."""
+    """Wait until every traced hook call so far has its metrics recorded and its span ended."""
     return _resolver.flush(timeout)

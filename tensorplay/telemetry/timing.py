@@ -1,18 +1,20 @@
 """Points in time a hook call passes through, and the intervals between them.
 
 On CPU a stamp is a clock reading. On CUDA it also records an event on the current stream, so
-the interval is the device's own; events are only ever resolved off the training thread
-(:func:`seconds_between` blocks until the later event has happened).
+intervals are the device's own. Events are only read off the training thread, and only once
+:func:`happened` says so: they are polled, never waited on, since a blocking synchronize would
+hang along with a hung collective (pytorch#115301).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["Stamp", "stamp", "seconds_between"]
+__all__ = ["Stamp", "stamp", "happened", "seconds_between", "unix_ns"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,8 @@ class Stamp:
 
     unix_ns: int
     monotonic_ns: int
-    event: torch.cuda.Event | None = None
+    event: Any = None
+    """A ``torch.cuda.Event`` recorded with timing on the stream that reached this point."""
 
 
 def stamp(device: torch.device | None = None) -> Stamp:
@@ -33,9 +36,25 @@ def stamp(device: torch.device | None = None) -> Stamp:
     return Stamp(time.time_ns(), time.perf_counter_ns(), event)
 
 
+def happened(point: Stamp | None) -> bool:
+    """Whether ``point`` has been reached: always for a clock reading, once its event completed on CUDA."""
+    return point is not None and (point.event is None or bool(point.event.query()))
+
+
 def seconds_between(start: Stamp, end: Stamp) -> float:
-    """Seconds from ``start`` to ``end``; waits for CUDA events, so call it off the hot path."""
+    """Seconds from ``start`` to ``end``; CUDA stamps must both have :func:`happened`."""
     if start.event is not None and end.event is not None:
-        end.event.synchronize()
         return start.event.elapsed_time(end.event) / 1e3
     return (end.monotonic_ns - start.monotonic_ns) / 1e9
+
+
+def unix_ns(point: Stamp, origin: Stamp) -> int:
+    """Wall-clock time at which ``point`` was reached.
+
+    The host clock of a CUDA stamp says when its event was enqueued, not when the device got
+    there (on NCCL a collective's future completes at enqueue): the device time is ``origin``'s
+    wall clock plus the device's own interval from ``origin`` to ``point``.
+    """
+    if point.event is not None and origin.event is not None:
+        return origin.unix_ns + round(seconds_between(origin, point) * 1e9)
+    return point.unix_ns

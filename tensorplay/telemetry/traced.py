@@ -21,8 +21,9 @@ from tensorplay import __version__
 from . import probe
 from .metrics import TensorplayMetrics, active_metrics
 from .names import HOOK_SPAN_NAME, TRACER_NAME
-from .recorder import BucketRecord
+from .recorder import BucketRecord, CollectiveEnds
 from .resolver import resolver
+from .spans import OwnedSpan
 from .tracing import tracer as default_tracer
 
 __all__ = ["traced", "DEFAULT_ERROR_EVERY"]
@@ -83,7 +84,7 @@ def traced(
 
 
 class _TracedHook:
-    """The per-hook state of a traced hook: step counter and the previous step's end."""
+    """The per-hook state of a traced hook: step counter and when the previous step ended."""
 
     def __init__(
         self,
@@ -103,7 +104,7 @@ class _TracedHook:
         )
         self._step = 0
         self._new_step = True
-        self._previous_step_end: Optional[BucketRecord] = None
+        self._previous_step_end: Optional[CollectiveEnds] = None
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         step = self._step
@@ -116,36 +117,40 @@ class _TracedHook:
             self._previous_step_end = None
             return self._hook(state, bucket)
         if self._new_step:
-            self._previous_step_end = record
-        pending = resolver()
-        pending.started()
+            self._previous_step_end = record.ends
+        finisher = resolver()
         token = probe.install_recorder(record)
         try:
             future = self._hook(state, bucket)
         except BaseException as error:
-            pending.abandoned()
-            _end_failed_span(record.span, error)
+            finisher.abandoned(record.span, error=error)
             raise
         finally:
             probe.uninstall_recorder(token)
         try:
-            return record.hook_returned(future, bucket, pending.submit)
+            return record.follow(future, bucket, finisher.completed)
         except Exception:  # telemetry must never break training: hand DDP the hook's own future
-            pending.abandoned()
+            finisher.abandoned(record.span, incomplete="tensorplay could not follow the hook's future")
             _logger.warning("tensorplay: could not follow a hook's future; training goes on", exc_info=True)
             return future
 
     def _start_record(
         self, state: Any, bucket: dist.GradBucket, step: int, first_of_step: bool
     ) -> Optional[BucketRecord]:
-        """Begin recording this call, or return None when nobody listens (or telemetry fails)."""
+        """Begin recording this call, or return None when nobody listens (or telemetry fails).
+
+        Once a span is started it is owned: it ends, through the resolver, whatever fails here.
+        """
+        span: Optional[OwnedSpan] = None
         try:
             metrics = self._metrics if self._metrics is not None else active_metrics()
             tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
-            span = tracer.start_span(HOOK_SPAN_NAME)
-            if metrics is None and not span.is_recording():
+            started = tracer.start_span(HOOK_SPAN_NAME)
+            if metrics is None and not started.is_recording():
                 return None
-            return BucketRecord(
+            span = OwnedSpan(started)
+            finisher = resolver()
+            record = BucketRecord(
                 hook=self._name,
                 reports_collectives=self._reports_collectives,
                 step=step,
@@ -159,16 +164,21 @@ class _TracedHook:
                 previous_step_end=(
                     self._previous_step_end if first_of_step and not probe.in_shadow_phase() else None
                 ),
+                on_collective_end=finisher.after_collective,
             )
+            finisher.started()
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
+            if span is not None:  # end it off the training thread, like every span
+                resolver().started()
+                resolver().abandoned(span, incomplete="tensorplay could not start recording this hook call")
             return None
-
-
-def _end_failed_span(span: trace.Span, error: BaseException) -> None:
-    span.record_exception(error)
-    span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
-    span.end()
+        try:
+            if metrics is not None:
+                metrics.last_step_timestamp.labels(rank=record.rank_label).set(record.called.unix_ns / 1e9)
+        except Exception:
+            record.note_failure("last_step_timestamp")
+        return record
 
 
 def _world_size(state: Any) -> int:

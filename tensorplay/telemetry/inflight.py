@@ -1,0 +1,52 @@
+"""This rank's traced collectives that were launched and have not completed: a live gauge.
+
+``tensorplay_collective_waiting_since_timestamp_seconds`` holds the launch time of the oldest of
+them, 0 once none is in flight. It is written at launch and completion only (when the oldest
+changes), from whichever thread sees the event, so the metrics endpoint serves the truth while
+the training thread is blocked inside a collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+from prometheus_client import Gauge
+
+__all__ = ["CollectivesInFlight"]
+
+
+class CollectivesInFlight:
+    """The launch times of the collectives in flight, per rank, oldest first."""
+
+    def __init__(self, waiting_since: Gauge) -> None:
+        self._gauge = waiting_since
+        self._lock = threading.Lock()
+        self._launched: dict[str, dict[int, float]] = {}
+        self._tokens = itertools.count()
+
+    def launched(self, rank: str, unix_s: float) -> int:
+        """Note a collective launched at ``unix_s``; returns the token for :meth:`completed`."""
+        token = next(self._tokens)
+        with self._lock:
+            pending = self._launched.setdefault(rank, {})
+            pending[token] = unix_s
+            if len(pending) == 1:
+                self._gauge.labels(rank=rank).set(unix_s)
+        return token
+
+    def completed(self, rank: str, token: int) -> None:
+        """Note that the collective of ``token`` completed (successfully or not)."""
+        with self._lock:
+            pending = self._launched.get(rank)
+            if not pending or token not in pending:
+                return
+            was_oldest = next(iter(pending)) == token
+            del pending[token]
+            if was_oldest:
+                self._gauge.labels(rank=rank).set(next(iter(pending.values()), 0.0))
+
+    def in_flight(self, rank: str) -> int:
+        """How many collectives of ``rank`` are in flight now."""
+        with self._lock:
+            return len(self._launched.get(rank, ()))

@@ -1,0 +1,256 @@
+"""Telemetry parts that need no ranks: span life, span ending, the in-flight gauge, figures on
+the CUDA path (exercised with stand-in events on CPU), and configure_tracing's set-up rules."""
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
+from prometheus_client import CollectorRegistry
+
+from tensorplay.telemetry import TensorplayMetrics, configure_tracing
+from tensorplay.telemetry import figures
+from tensorplay.telemetry.device_events import EventWatcher
+from tensorplay.telemetry.recorder import BucketRecord, CompressionStage
+from tensorplay.telemetry.resolver import _events_happened, observe, resolve
+from tensorplay.telemetry.spans import OwnedSpan, SpanEnd, SpanEnder
+from tensorplay.telemetry.timing import Stamp, happened, seconds_between, unix_ns
+
+
+class FakeEvent:
+    """Stands in for a ``torch.cuda.Event``: completes when told, elapsed time from a device clock."""
+
+    def __init__(self, device_ms: float) -> None:
+        self.device_ms = device_ms
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, later: "FakeEvent") -> float:
+        assert self.done and later.done, "elapsed_time on an event that has not completed"
+        return later.device_ms - self.device_ms
+
+
+def _tracer() -> tuple[trace.Tracer, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("test"), exporter
+
+
+def _record(metrics: TensorplayMetrics | None = None) -> BucketRecord:
+    tracer, _ = _tracer()
+    return BucketRecord(
+        hook="fp16_compress_hook",
+        reports_collectives=True,
+        step=0,
+        rank=0,
+        world_size=2,
+        bucket_index=0,
+        buffer=torch.zeros(8),
+        sample_error=True,
+        span=OwnedSpan(tracer.start_span("tensorplay.comm_hook")),
+        metrics=metrics,
+        previous_step_end=None,
+        on_collective_end=lambda end, action: action(),
+    )
+
+
+# --- spans ---------------------------------------------------------------------------------------
+
+
+def test_an_owned_span_ends_once_with_the_error() -> None:
+    tracer, exporter = _tracer()
+    span = OwnedSpan(tracer.start_span("s"))
+    span.end({"a": 1}, error=ValueError("boom"))
+    span.end({"a": 2})
+    span.end(incomplete="again")
+    (finished,) = exporter.get_finished_spans()
+    assert finished.attributes["a"] == 1
+    assert finished.status.status_code == trace.StatusCode.ERROR and "boom" in finished.status.description
+    assert [e.attributes["exception.message"] for e in finished.events] == ["boom"]
+
+
+class _BlockingSpan:
+    """A span whose end() hangs in its processor until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.ended = 0
+
+    def end(self, *args: Any) -> None:
+        self.entered.set()
+        self.release.wait(10)
+        self.ended += 1
+
+
+def test_the_ender_queue_is_bounded_and_drops_are_counted() -> None:
+    ender = SpanEnder(capacity=2)
+    stuck = _BlockingSpan()
+    dropped, finished = [], []
+    ender.submit(SpanEnd(stuck, then=lambda: finished.append(0)))  # type: ignore[arg-type]
+    assert stuck.entered.wait(10)
+    accepted = [
+        ender.submit(SpanEnd(stuck, then=lambda i=i: finished.append(i), dropped=lambda i=i: dropped.append(i)))  # type: ignore[arg-type]
+        for i in (1, 2, 3)
+    ]
+    assert accepted == [True, True, False] and dropped == [3] and finished == [3]
+    stuck.release.set()
+    for _ in range(100):
+        if len(finished) == 4:
+            break
+        threading.Event().wait(0.05)
+    assert sorted(finished) == [0, 1, 2, 3] and stuck.ended == 3
+
+
+class _NeverDone:
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return False
+
+
+def test_a_late_span_costs_one_budget_then_nobody_waits() -> None:
+    ender = SpanEnder(budget_s=0.01)
+    first, second, third = _NeverDone(), _NeverDone(), _NeverDone()
+    for done in (first, second, third):
+        ender.wait_briefly(SpanEnd(None, done=done))  # type: ignore[arg-type]
+    assert first.waits == [0.01] and second.waits == [] and third.waits == []
+
+
+# --- the in-flight gauge -------------------------------------------------------------------------
+
+
+def test_waiting_since_follows_the_oldest_collective_in_flight() -> None:
+    metrics = TensorplayMetrics(CollectorRegistry())
+    in_flight = metrics.collectives_in_flight
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("tensorplay_collective_waiting_since_timestamp_seconds", {"rank": "3"})
+
+    a = in_flight.launched("3", 100.0)
+    b = in_flight.launched("3", 105.0)
+    c = in_flight.launched("3", 107.0)
+    assert gauge() == 100.0
+    in_flight.completed("3", b)  # a younger one completing changes nothing
+    assert gauge() == 100.0
+    in_flight.completed("3", a)
+    assert gauge() == 107.0
+    in_flight.completed("3", c)
+    assert gauge() == 0.0 and in_flight.in_flight("3") == 0
+    in_flight.completed("3", c)  # twice: ignored
+    assert gauge() == 0.0
+
+
+# --- CUDA path rules with stand-in events ----------------------------------------------------------
+
+
+def test_device_time_comes_from_events_not_the_enqueue_clock() -> None:
+    origin = Stamp(unix_ns=1_000_000_000_000, monotonic_ns=0, event=FakeEvent(5.0))
+    end = Stamp(unix_ns=1_000_000_000_001, monotonic_ns=1, event=FakeEvent(37.5))  # enqueued 1 ns later
+    assert not happened(end)
+    origin.event.done = end.event.done = True
+    assert happened(end)
+    assert seconds_between(origin, end) == pytest.approx(0.0325)
+    assert unix_ns(end, origin) == 1_000_000_000_000 + 32_500_000
+    cpu = Stamp(unix_ns=42, monotonic_ns=0)
+    assert happened(cpu) and unix_ns(cpu, cpu) == 42
+
+
+def test_a_record_waits_for_the_stream_its_figures_were_computed_on() -> None:
+    record = _record()
+    ready = Stamp(0, 0, FakeEvent(1.0))
+    record.stages.append(CompressionStage("float16", torch.tensor(0.01), torch.tensor(0), torch.tensor(0), ready))
+    assert not _events_happened(record)
+    ready.event.done = True
+    assert _events_happened(record)
+
+
+def test_an_overflowed_cuda_figure_is_left_out_as_on_cpu() -> None:
+    original = torch.full((16,), 1e6)
+    approximation = original.to(torch.float16).div_(2)  # inf: float16 cannot hold 5e5
+    error, created, already = figures._cuda_figures(original, approximation, 2.0, None, True)
+    assert not torch.isfinite(error) and int(created) == 16 and int(already) == 0
+    cpu_error, cpu_created, _ = figures.compression_figures(original, approximation, 2.0)
+    assert cpu_error is None and cpu_created == 16
+    assert figures.error_value(error) is None and figures.error_value(torch.tensor(float("nan"))) is None
+    assert figures.error_value(torch.tensor(0.25)) == 0.25 and figures.error_value(None) is None
+
+    metrics = TensorplayMetrics(CollectorRegistry())
+    record = _record(metrics)
+    record.stages.append(CompressionStage("float16", error, created, already, None))
+    record.ends.completed = record.called
+    outcome = resolve(record)
+    assert outcome.relative_error is None and outcome.nonfinite == 16
+    observe(record, outcome)
+    labels = {"rank": "0", "hook": "fp16_compress_hook"}
+    assert metrics.registry.get_sample_value("tensorplay_compression_error_ratio_sum", labels) is None
+    assert metrics.registry.get_sample_value("tensorplay_nonfinite_elements_total", labels) == 16
+
+
+def test_the_event_watcher_acts_once_events_complete() -> None:
+    watcher = EventWatcher()
+    event = FakeEvent(0.0)
+    acted = threading.Event()
+    watcher.when(lambda: event.query(), acted.set)
+    assert not acted.wait(0.05) and watcher.waiting() == 1
+    event.done = True
+    assert acted.wait(5) and watcher.waiting() == 0
+
+
+# --- configure_tracing ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_otel(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A process with no tracer provider set yet, and no OTEL_* service variables."""
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER_SET_ONCE", Once())
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(name, raising=False)
+    providers: list[TracerProvider] = []
+    yield providers
+    for provider in providers:
+        provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    "environment, argument, expected",
+    [
+        ({}, None, "tensorplay"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes,team=ml"}, None, "from-attributes"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes", "OTEL_SERVICE_NAME": "from-name"}, None, "from-name"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes", "OTEL_SERVICE_NAME": "from-name"}, "arg", "arg"),
+    ],
+)
+def test_service_name_follows_opentelemetry_precedence(
+    fresh_otel: list, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, environment: dict, argument: str | None, expected: str
+) -> None:
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    provider = configure_tracing(service_name=argument, otlp=False, span_file=str(tmp_path / "spans.jsonl"))
+    fresh_otel.append(provider)
+    assert provider.resource.attributes["service.name"] == expected
+    if "team=ml" in environment.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        assert provider.resource.attributes["team"] == "ml"
+
+
+def test_a_repeated_call_exports_each_span_once(fresh_otel: list, tmp_path: Any) -> None:
+    first, other = tmp_path / "spans.jsonl", tmp_path / "other.jsonl"
+    provider = configure_tracing(otlp=False, span_file=str(first))
+    fresh_otel.append(provider)
+    assert configure_tracing(otlp=False, span_file=str(first)) is provider
+    assert configure_tracing(otlp=False, span_file=str(other)) is provider  # a new destination is added
+    trace.get_tracer("test").start_span("one").end()
+    provider.force_flush()
+    assert len(first.read_text().splitlines()) == 1
+    assert len(other.read_text().splitlines()) == 1

@@ -1,0 +1,360 @@
+"""Telemetry never hangs, leaks or stalls training, and never loses or falsifies a span.
+
+Every scenario runs on the same two real gloo ranks (one spawn, ``outcomes`` fixture):
+
+* PowerSGD's latency times the bucket's own collectives, not the backward compute of the next
+  bucket (its future completes on its own; the wrapper-waits-inside-the-hook case is checked
+  against torch in test_powersgd.py);
+* a span processor whose exporter never answers does not hold training, and every metric is
+  recorded while it hangs;
+* spans end exactly once, with ERROR status and the exception, when the hook, one of its
+  collectives, or the telemetry itself fails;
+* a soak of 2,000 steps on a one-bucket model keeps live objects and pending records flat.
+"""
+
+
+import gc
+import threading
+import time
+import types
+from typing import Any, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tensorplay import traced
+from tensorplay.distributed.algorithms.ddp_comm_hooks import _common, default_hooks
+from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from tensorplay.telemetry import TensorplayMetrics, flush
+from tensorplay.telemetry.names import Attr
+from tensorplay.telemetry.recorder import BucketRecord
+from tensorplay.telemetry.resolver import resolver
+
+from .ranks import run_ranks
+from .training import BUCKET_CAP_MB, make_model, rank_batch, train
+
+PAUSE_S = 0.3  # backward sleeps this long between the buckets of the PowerSGD scenario
+SOAK_STEPS = 2000
+
+
+# --- PowerSGD: latency of this bucket only ------------------------------------------------------
+
+
+class _PauseInBackward(torch.autograd.Function):
+    """Identity forward; its backward sleeps, as a slow layer between two buckets would."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(PAUSE_S)
+        return grad
+
+
+class _Paused(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _PauseInBackward.apply(x)
+
+
+def powersgd_latency(rank: int) -> dict:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    layers = list(make_model())
+    model = DDP(nn.Sequential(*layers[:3], _Paused(), *layers[3:]), bucket_cap_mb=BUCKET_CAP_MB)
+    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    model.register_comm_hook(state, traced(powerSGD_hook, tracer_provider=provider))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        optimizer.zero_grad()
+        model(rank_batch(rank, step)).square().mean().backward()
+        optimizer.step()
+    assert flush(30)
+    spans = [dict(s.attributes) for s in exporter.get_finished_spans()]
+    compressing = [s for s in spans if s[Attr.STEP] >= 2]
+    return {
+        "compressing spans": len(compressing),
+        "collectives per bucket": sorted({s[Attr.ALLREDUCE_COUNT] for s in compressing}),
+        "max latency s": max(s[Attr.ALLREDUCE_LATENCY_MS] for s in compressing) / 1e3,
+        "buckets": len({s[Attr.BUCKET_INDEX] for s in compressing}),
+    }
+
+
+# --- an exporter that never answers -------------------------------------------------------------
+
+
+class _NeverAnswers(SpanExporter):
+    """An exporter stuck in its first export until released, like a collector that never answers."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+        self.exported = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.calls += 1
+        self.release.wait()
+        self.exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.release.set()
+
+
+def stuck_exporter(rank: int) -> dict:
+    exporter = _NeverAnswers()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = TensorplayMetrics(CollectorRegistry())
+    calls = [0]
+
+    def counting(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        calls[0] += 1
+        return hook(state, bucket)
+
+    hook = traced(default_hooks.fp16_compress_hook, metrics=metrics, tracer_provider=provider)
+    started = time.monotonic()
+    traced_params = train(rank, counting, steps=6)
+    elapsed = time.monotonic() - started
+    labels = {"rank": str(rank), "hook": "fp16_compress_hook"}
+    observed_while_stuck = metrics.registry.get_sample_value("tensorplay_allreduce_latency_seconds_count", labels)
+    exports_while_stuck = exporter.calls
+    exporter.release.set()
+    drained = flush(30)
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(traced_params, train(rank, default_hooks.fp16_compress_hook, steps=6))),
+        "calls": calls[0],
+        "observed while stuck": observed_while_stuck,
+        "exports while stuck": exports_while_stuck,
+        "exported after release": exporter.exported,
+        "drained": drained,
+        "seconds": elapsed,
+    }
+
+
+# --- spans of failures --------------------------------------------------------------------------
+
+
+class _FailedWork:
+    """A collective whose future holds an error, as a broken connection or a timeout leaves it."""
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_exception(RuntimeError("collective broke: connection reset by peer"))
+        return future
+
+
+def _spans_of(hook: Any, rank: int, state: Any = None, **traced_options: Any) -> dict:
+    """Train one step with traced(hook); return the error (if any) and the spans' status and events."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    wrapped = traced(hook, tracer_provider=provider, **traced_options)
+    calls = [0]
+
+    def counting(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        calls[0] += 1
+        return wrapped(state, bucket)
+
+    try:
+        params = train(rank, counting, state=state, steps=1)
+        error = None
+    except (RuntimeError, ValueError) as caught:  # DDP re-raises the hook's or the future's error
+        params, error = None, str(caught)
+    assert flush(30)
+    spans = [s for s in exporter.get_finished_spans() if s.name == "tensorplay.comm_hook"]
+    return {
+        "error": error,
+        "params": params,
+        "calls": calls[0],
+        "span ids": len({s.context.span_id for s in spans}),
+        "spans": len(spans),
+        "status": sorted({(s.status.status_code.name, s.status.description or "") for s in spans}),
+        "exceptions": sorted({e.attributes["exception.message"] for s in spans for e in s.events if e.name == "exception"}),
+        "with attributes": sum(Attr.ALLREDUCE_LATENCY_MS in s.attributes for s in spans),
+    }
+
+
+def failing_spans(rank: int) -> dict:
+    outcome: dict[str, Any] = {}
+
+    def raising_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        raise ValueError("the hook itself failed")
+
+    def failed_future_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return _FailedWork().get_future()
+
+    outcome["hook raised"] = _spans_of(raising_hook, rank)
+    outcome["future failed"] = _spans_of(failed_future_hook, rank)
+
+    original = _common.dist
+    _common.dist = types.SimpleNamespace(
+        group=dist.group, ProcessGroup=dist.ProcessGroup, all_reduce=lambda *args, **kwargs: _FailedWork()
+    )
+    try:
+        outcome["collective failed"] = _spans_of(default_hooks.allreduce_hook, rank)
+    finally:
+        _common.dist = original
+
+    # Telemetry fails while finishing the record: the span still ends, marked incomplete.
+    metrics = TensorplayMetrics(CollectorRegistry())
+
+    def broken_labels(**labels: str) -> Any:
+        raise RuntimeError("a metric that cannot be recorded")
+
+    metrics.allreduce_latency.labels = broken_labels  # type: ignore[method-assign]
+    outcome["resolver failed"] = _spans_of(default_hooks.allreduce_hook, rank, metrics=metrics)
+
+    # Telemetry fails after the span started, before its record exists.
+    class Unreadable:
+        @property
+        def process_group(self) -> Any:
+            raise RuntimeError("a state that cannot be read")
+
+    def user_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return default_hooks.allreduce_hook(None, bucket)
+
+    outcome["record failed"] = _spans_of(user_hook, rank, state=Unreadable())
+    plain = train(rank, default_hooks.allreduce_hook, steps=1)
+    for result in outcome.values():
+        params = result.pop("params")
+        result["equal to untraced"] = params is not None and all(torch.equal(a, b) for a, b in zip(params, plain))
+    return outcome
+
+
+# --- soak ---------------------------------------------------------------------------------------
+
+
+class _Counting(SpanExporter):
+    def __init__(self) -> None:
+        self.exported = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+
+def _live_records() -> int:
+    return sum(isinstance(o, BucketRecord) for o in gc.get_objects())
+
+
+def soak(rank: int) -> dict:
+    exporter = _Counting()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = TensorplayMetrics(CollectorRegistry())
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(32, 32))  # one bucket per step
+    model.register_comm_hook(None, traced(default_hooks.allreduce_hook, metrics=metrics, tracer_provider=provider))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = torch.randn(4, 32)
+    objects, records, pending = {}, {}, []
+    for step in range(1, SOAK_STEPS + 1):
+        optimizer.zero_grad()
+        model(batch).square().mean().backward()
+        optimizer.step()
+        if step % 100 == 0:
+            pending.append(resolver().pending())
+        if step in (300, SOAK_STEPS):
+            flush(30)
+            gc.collect()
+            objects[step] = len(gc.get_objects())
+            records[step] = _live_records()
+    return {
+        "objects": objects,
+        "records": records,
+        "pending": pending,
+        "exported": exporter.exported,
+        "in flight": metrics.collectives_in_flight.in_flight(str(rank)),
+        "waiting since": metrics.registry.get_sample_value(
+            "tensorplay_collective_waiting_since_timestamp_seconds", {"rank": str(rank)}
+        ),
+    }
+
+
+def all_scenarios(rank: int, world_size: int) -> dict:
+    return {
+        "powersgd": powersgd_latency(rank),
+        "stuck exporter": stuck_exporter(rank),
+        "failures": failing_spans(rank),
+        "soak": soak(rank),
+    }
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict]:
+    return run_ranks(all_scenarios, 2, timeout=300)
+
+
+def test_powersgd_latency_times_only_the_buckets_own_collectives(outcomes: list[dict]) -> None:
+    for outcome in outcomes:
+        result = outcome["powersgd"]
+        assert result["buckets"] >= 3 and result["compressing spans"] == 2 * result["buckets"]
+        assert result["collectives per bucket"] in ([2], [3], [2, 3])
+        # The bucket before the pause would include the pause if its second round waited for
+        # the next hook call.
+        assert result["max latency s"] < PAUSE_S / 2, result
+
+
+def test_an_exporter_that_never_answers_does_not_hold_training(outcomes: list[dict]) -> None:
+    for outcome in outcomes:
+        result = outcome["stuck exporter"]
+        assert result["equal"]
+        assert result["calls"] >= 6 * 2  # 6 steps of several buckets
+        assert result["observed while stuck"] == result["calls"], "metrics waited for span export"
+        assert result["exports while stuck"] == 1, "one span processor call hangs, the rest are queued"
+        assert result["drained"] and result["exported after release"] == result["calls"]
+
+
+@pytest.mark.parametrize(
+    "case, expected_exception",
+    [
+        ("hook raised", "the hook itself failed"),
+        ("future failed", "collective broke: connection reset by peer"),
+        ("collective failed", "collective broke: connection reset by peer"),
+    ],
+)
+def test_a_failed_hook_or_collective_ends_its_span_once_with_error(
+    outcomes: list[dict], case: str, expected_exception: str
+) -> None:
+    for outcome in outcomes:
+        result = outcome["failures"][case]
+        assert result["error"] is not None and expected_exception in result["error"]
+        assert result["calls"] >= 1
+        assert result["spans"] == result["span ids"] == result["calls"], "one span per call, each ended once"
+        ((status, description),) = result["status"]
+        assert status == "ERROR" and expected_exception in description
+        assert result["exceptions"] == [expected_exception]
+
+
+@pytest.mark.parametrize("case, description", [("resolver failed", "could not finish"), ("record failed", "could not start")])
+def test_telemetry_failures_end_the_span_and_spare_training(outcomes: list[dict], case: str, description: str) -> None:
+    for outcome in outcomes:
+        result = outcome["failures"][case]
+        assert result["error"] is None
+        assert result["equal to untraced"]
+        assert result["spans"] == result["span ids"] == result["calls"] >= 1
+        ((status, text),) = result["status"]
+        assert status == "ERROR" and description in text
+
+
+def test_soak_keeps_objects_and_pending_records_flat(outcomes: list[dict]) -> None:
+    for outcome in outcomes:
+        result = outcome["soak"]
+        early, late = result["objects"][300], result["objects"][SOAK_STEPS]
+        # One record kept per step would be ~20 objects x 1,700 steps.
+        assert late - early < 500, result["objects"]
+        # A few records stay reachable (those DDP still holds the futures of), never more.
+        assert result["records"][SOAK_STEPS] <= result["records"][300] <= 4, result["records"]
+        assert max(result["pending"]) <= 4, result["pending"]
+        assert result["exported"] == SOAK_STEPS
+        assert result["in flight"] == 0 and result["waiting since"] == 0.0
