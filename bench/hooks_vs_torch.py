@@ -4,11 +4,18 @@ Two gloo ranks on this machine train one model per variant, several 25 MB bucket
 variants of one hook take turns (A B C D A B C D ...) so that machine noise hits them alike.
 Prints the median step time of every variant and its ratio to the reference.
 
+With ``--exporter never-answers`` the traced variants run under an application's
+``SimpleSpanProcessor`` whose OTLP exporter talks to a collector that accepts connections and
+never answers (a listening socket on 127.0.0.1 that nobody reads): span export must not cost
+training anything.
+
     python bench/hooks_vs_torch.py [--rounds 7] [--steps 4] [--hooks allreduce_hook,fp16_compress_hook,...]
+                                   [--exporter none|never-answers]
 """
 
 import argparse
 import os
+import socket
 import statistics
 import sys
 import time
@@ -89,13 +96,38 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tenso
     optimizer.step()
 
 
-def _bench_rank(rank: int, world_size: int, port: int, hooks: list[str], rounds: int, steps: int, out: Any) -> None:
+def _never_answering_collector() -> tuple[socket.socket, str]:
+    """A listening socket nobody reads: connections succeed, requests are never answered."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1024)
+    return silent, f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces"
+
+
+def _export_to_a_silent_collector() -> socket.socket:
+    """Set the application's tracer provider: SimpleSpanProcessor -> OTLP -> a collector that never answers."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    silent, endpoint = _never_answering_collector()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    trace.set_tracer_provider(provider)
+    return silent
+
+
+def _bench_rank(
+    rank: int, world_size: int, port: int, hooks: list[str], rounds: int, steps: int, exporter: str, out: Any
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     from tensorplay.telemetry import enable_metrics
 
     enable_metrics(serve=False)  # record metrics as a user would; nothing to scrape here
+    silent = _export_to_a_silent_collector() if exporter == "never-answers" else None
     table = variants()
     generator = torch.Generator().manual_seed(rank)
     batch = torch.randn(BATCH, WIDTH, generator=generator)
@@ -126,6 +158,9 @@ def _bench_rank(rank: int, world_size: int, port: int, hooks: list[str], rounds:
     if rank == 0:
         out.put(results)
     dist.destroy_process_group()
+    if silent is not None:
+        silent.close()
+        os._exit(0)  # the span processor is stuck in an export that will never end: do not wait for it
 
 
 def _ratio_columns(rounds: list[list[float]], reference: list[list[float]]) -> str:
@@ -140,6 +175,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--hooks", default=",".join(variants()))
+    parser.add_argument("--exporter", choices=("none", "never-answers"), default="none")
     args = parser.parse_args()
     hooks = args.hooks.split(",")
     unknown = sorted(set(hooks) - set(variants()))
@@ -152,7 +188,7 @@ def main() -> None:
     out = context.SimpleQueue()
     port = free_port()
     processes = [
-        context.Process(target=_bench_rank, args=(rank, 2, port, hooks, args.rounds, args.steps, out))
+        context.Process(target=_bench_rank, args=(rank, 2, port, hooks, args.rounds, args.steps, args.exporter, out))
         for rank in range(2)
     ]
     for process in processes:
@@ -162,6 +198,8 @@ def main() -> None:
         process.join()
     print(f"2 gloo ranks, {LAYERS} x Linear({WIDTH}, {WIDTH}) (~{LAYERS * WIDTH * WIDTH * 4 / 2**20:.0f} MB of "
           f"gradients, 25 MB buckets), {args.rounds} interleaved rounds x {args.steps} steps per variant")
+    if args.exporter == "never-answers":
+        print("traced variants export through SimpleSpanProcessor + OTLP to a collector that never answers")
     print(f"{'hook':<22}{'variant':<24}{'median ms':>10}{'vs torch':>10}{'IQR':>13}{'vs untraced':>13}{'IQR':>13}")
     for hook_name, times in results.items():
         torch_rounds = times[next(iter(times))]
