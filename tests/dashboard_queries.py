@@ -44,6 +44,7 @@ CONTRACT_METRICS: dict[str, str] = {
     "tensorplay_nonfinite_elements_total": "counter",
     "tensorplay_step_compute_seconds": "histogram",
     "tensorplay_last_step_timestamp_seconds": "gauge",
+    "tensorplay_collective_waiting_since_timestamp_seconds": "gauge",
     "tensorplay_join_timestamp_seconds": "gauge",
     "tensorplay_join_shadow_iterations": "gauge",
     "tensorplay_join_wait_seconds": "histogram",

@@ -47,6 +47,7 @@ class Metric:
     NONFINITE = "tensorplay_nonfinite_elements"
     STEP_COMPUTE = "tensorplay_step_compute_seconds"
     LAST_STEP_TIMESTAMP = "tensorplay_last_step_timestamp_seconds"
+    COLLECTIVE_WAITING_SINCE = "tensorplay_collective_waiting_since_timestamp_seconds"
     JOIN_TIMESTAMP = "tensorplay_join_timestamp_seconds"
     JOIN_SHADOW_ITERATIONS = "tensorplay_join_shadow_iterations"
     JOIN_WAIT = "tensorplay_join_wait_seconds"
