@@ -198,7 +198,7 @@ def _env() -> dict[str, str]:
 def test_compose_pins_images_in_one_place():
     compose = _load(DEPLOY / "compose.yaml")
     services = compose["services"]
-    assert set(services) == {"prometheus", "grafana", "tempo", "otel-collector"}
+    assert set(services) == {"prometheus", "alertmanager", "grafana", "tempo", "otel-collector"}
     env = _env()
     used = set()
     for name, service in services.items():
@@ -223,6 +223,24 @@ def test_compose_mounts_and_flags():
     provider = _load(DEPLOY / "grafana" / "provisioning" / "dashboards" / "tensorplay.yaml")["providers"][0]
     mounts = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}
     assert mounts[provider["options"]["path"]] == "../dashboards"
+
+
+def _flag(command: list[str], name: str) -> str:
+    return next(arg.split("=", 1)[1] for arg in command if arg.startswith(f"--{name}="))
+
+
+def test_prometheus_sends_alerts_to_the_stacks_alertmanager():
+    services = _load(DEPLOY / "compose.yaml")["services"]
+    alertmanager = services["alertmanager"]
+    (config,) = _load(DEPLOY / "prometheus" / "prometheus.yml")["alerting"]["alertmanagers"]
+    (target,) = [t for group in config["static_configs"] for t in group["targets"]]
+    host, port = target.rsplit(":", 1)
+    assert host == "alertmanager" and f"{port}" in {p.rsplit(":", 1)[1] for p in alertmanager["ports"]}
+    # Alertmanager reads the shipped file, and keeps its single instance out of HA gossip.
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in alertmanager["volumes"]}
+    config_file = Path(_flag(alertmanager["command"], "config.file"))
+    assert (DEPLOY / mounts[str(config_file.parent)] / config_file.name) == DEPLOY / "alertmanager" / "alertmanager.yml"
+    assert _flag(alertmanager["command"], "cluster.listen-address") == ""
 
 
 def test_grafana_datasources_link_exemplars_to_tempo():
