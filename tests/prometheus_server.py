@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import pytest
 
+from .alert_rules import RULE_FILES
 from .ranks import free_port
 
 __all__ = [
@@ -43,10 +44,6 @@ __all__ = [
     "prometheus",
     "prometheus_binary",
 ]
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RULE_FILES = tuple(sorted((REPO_ROOT / "deploy" / "prometheus" / "rules").glob("*.yml")))
-"""The project's rule files (recording rules and alerts), loaded by every server by default."""
 
 _START_TIMEOUT_S = 30.0
 

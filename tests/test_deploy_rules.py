@@ -15,19 +15,25 @@ from pathlib import Path
 import pytest
 import yaml
 
+from .alert_rules import RULE_FILES, alert_expr, alerts, rules
 from .dashboard_queries import known_series, selectors
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-RULE_FILES = sorted((DEPLOY / "prometheus" / "rules").glob("*.yml"))
 RULE_TESTS = sorted((ROOT / "tests" / "rules").glob("*.yml"))
 CONTRACT_ALERTS = {
-    # alert: the labels the contract gives it (section 4), besides severity
+    # alert: the labels the contract gives it (section 4), besides severity; `job` is added to all
     "TensorplayStragglerRank": {"rank"},
     "TensorplayUnevenInputs": {"rank"},
     "TensorplayRankStalled": {"rank"},
+    "TensorplayJobHung": {"job"},
     "TensorplayGradientOverflow": {"rank", "hook"},
 }
+EXTENSION_ALERTS = {
+    # alerts beyond the contract, each documented in docs/telemetry.md
+    "TensorplayRankMetricsMissing": {"rank"},
+}
+ALERT_LABELS = CONTRACT_ALERTS | EXTENSION_ALERTS
 RUNBOOK_BASE = "https://github.com/tensorplay/tensorplay/blob/main/deploy/RUNBOOK.md#"
 
 
@@ -39,14 +45,6 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 
 def _load(path: Path):
     return yaml.safe_load(path.read_text())
-
-
-def _rules() -> list[dict]:
-    return [rule for path in RULE_FILES for group in _load(path)["groups"] for rule in group["rules"]]
-
-
-def _alerts() -> dict[str, dict]:
-    return {rule["alert"]: rule for rule in _rules() if "alert" in rule}
 
 
 # -- promtool -------------------------------------------------------------------------------------
@@ -74,24 +72,26 @@ def test_promtool_test_rules():
 
 
 def test_contract_alerts_are_defined_as_the_conventions_ask():
-    alerts = _alerts()
-    assert set(alerts) == set(CONTRACT_ALERTS)
+    defined = alerts()
+    assert set(defined) == set(ALERT_LABELS)
     runbook = (DEPLOY / "RUNBOOK.md").read_text()
     anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-") for h in re.findall(r"^#+ (.+)$", runbook, re.M)}
-    for name, rule in alerts.items():
+    for name, rule in defined.items():
         assert re.fullmatch(r"\d+[smh]", rule["for"]), name
         assert rule["labels"]["severity"] in ("critical", "warning", "info"), name
         annotations = rule["annotations"]
         assert set(annotations) == {"summary", "description", "runbook_url"}, name
         assert "{{" not in annotations["summary"], f"{name}: summary is fixed text"
-        assert "$labels.rank" in annotations["description"] and "$value" in annotations["description"], name
+        for label in ALERT_LABELS[name] | {"job"}:
+            assert f"$labels.{label}" in annotations["description"], f"{name}: description does not name its {label}"
+        assert "$value" in annotations["description"], name
         url = annotations["runbook_url"]
         assert url == RUNBOOK_BASE + name.lower(), name
         assert url.split("#")[1] in anchors, f"{name}: no section in deploy/RUNBOOK.md"
 
 
 def test_every_alert_is_unit_tested_before_and_after_it_fires():
-    seen: dict[str, set[str]] = {name: set() for name in CONTRACT_ALERTS}
+    seen: dict[str, set[str]] = {name: set() for name in ALERT_LABELS}
     for path in RULE_TESTS:
         for case in _load(path)["tests"]:
             for check in case.get("alert_rule_test", []):
@@ -100,23 +100,52 @@ def test_every_alert_is_unit_tested_before_and_after_it_fires():
                 seen[name].add("after" if fired else "before")
                 for alert in fired:
                     labels = alert["exp_labels"]
-                    assert set(labels) == CONTRACT_ALERTS[name] | {"job", "severity"}, (path.name, name, labels)
+                    assert set(labels) == ALERT_LABELS[name] | {"job", "severity"}, (path.name, name, labels)
                     assert set(alert["exp_annotations"]) == {"summary", "description", "runbook_url"}, (path.name, name)
     assert all(cases == {"before", "after"} for cases in seen.values()), seen
 
 
 def test_rules_read_only_known_series():
     known = known_series()
-    for rule in _rules():
+    for rule in rules():
         for selector in selectors(rule["expr"]):
             assert selector.metric in known, f"{rule.get('record') or rule.get('alert')}: unknown series {selector.metric}"
 
 
 def test_thresholds_and_windows_are_documented():
     readme = (DEPLOY / "README.md").read_text()
-    for name, rule in _alerts().items():
+    for name, rule in alerts().items():
         assert name in readme, f"{name} is not described in deploy/README.md"
         assert f"`for: {rule['for']}`" in readme, f"{name}'s for: {rule['for']} is not in deploy/README.md"
+
+
+def test_extension_alerts_are_documented():
+    telemetry = (ROOT / "docs" / "telemetry.md").read_text()
+    for name in EXTENSION_ALERTS:
+        assert re.search(rf"\*\*Extension[^\n]*`{name}`", telemetry), f"{name}: no **Extension** entry in docs/telemetry.md"
+
+
+def test_hang_alerts_share_one_documented_threshold():
+    """RankStalled and JobHung compare waits (and RankStalled the latest hook call) with one
+    threshold, the one deploy/README.md gives; the end-to-end tests substitute it by value."""
+    numbers = {
+        name: {float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", alerts()[name]["expr"])} - {0.0}
+        for name in ("TensorplayRankStalled", "TensorplayJobHung")
+    }
+    (threshold,) = numbers["TensorplayRankStalled"]
+    assert numbers["TensorplayJobHung"] == {threshold}, numbers
+    assert f"{threshold:g} s" in (DEPLOY / "README.md").read_text()
+
+
+def test_alert_expr_substitutes_whole_numbers_only():
+    stalled = alert_expr("TensorplayRankStalled", {120: 3})
+    assert "120" not in stalled and "< 3" in stalled and "> 3" in stalled
+    assert stalled.replace("< 3", "< 120").replace("> 3", "> 120") == alert_expr("TensorplayRankStalled")
+    # Digits inside names and durations are not numbers of the expression.
+    with pytest.raises(ValueError, match="no number"):
+        alert_expr("TensorplayStragglerRank", {5: 1})
+    with pytest.raises(ValueError, match="no number"):
+        alert_expr("TensorplayRankMetricsMissing", {30: 1})
 
 
 # -- Kubernetes -----------------------------------------------------------------------------------
@@ -169,7 +198,7 @@ def _env() -> dict[str, str]:
 def test_compose_pins_images_in_one_place():
     compose = _load(DEPLOY / "compose.yaml")
     services = compose["services"]
-    assert set(services) == {"prometheus", "grafana", "tempo", "otel-collector"}
+    assert set(services) == {"prometheus", "alertmanager", "grafana", "tempo", "otel-collector"}
     env = _env()
     used = set()
     for name, service in services.items():
@@ -194,6 +223,24 @@ def test_compose_mounts_and_flags():
     provider = _load(DEPLOY / "grafana" / "provisioning" / "dashboards" / "tensorplay.yaml")["providers"][0]
     mounts = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}
     assert mounts[provider["options"]["path"]] == "../dashboards"
+
+
+def _flag(command: list[str], name: str) -> str:
+    return next(arg.split("=", 1)[1] for arg in command if arg.startswith(f"--{name}="))
+
+
+def test_prometheus_sends_alerts_to_the_stacks_alertmanager():
+    services = _load(DEPLOY / "compose.yaml")["services"]
+    alertmanager = services["alertmanager"]
+    (config,) = _load(DEPLOY / "prometheus" / "prometheus.yml")["alerting"]["alertmanagers"]
+    (target,) = [t for group in config["static_configs"] for t in group["targets"]]
+    host, port = target.rsplit(":", 1)
+    assert host == "alertmanager" and f"{port}" in {p.rsplit(":", 1)[1] for p in alertmanager["ports"]}
+    # Alertmanager reads the shipped file, and keeps its single instance out of HA gossip.
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in alertmanager["volumes"]}
+    config_file = Path(_flag(alertmanager["command"], "config.file"))
+    assert (DEPLOY / mounts[str(config_file.parent)] / config_file.name) == DEPLOY / "alertmanager" / "alertmanager.yml"
+    assert _flag(alertmanager["command"], "cluster.listen-address") == ""
 
 
 def test_grafana_datasources_link_exemplars_to_tempo():

@@ -32,15 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
+from .alert_rules import alert_expr
 from .dashboard_queries import dashboard_paths, dashboard_queries, selectors
 from .ranks import free_base_port
-from .prometheus_server import RULE_FILES, PrometheusServer, prometheus  # noqa: F401 (fixture)
+from .prometheus_server import PrometheusServer, prometheus  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(150)
 
-ALERTS_FILE = next(path for path in RULE_FILES if path.name == "tensorplay.alerts.yml")
 LINGER_S = 10.0  # ranks keep serving after training: the final scrape + rule evaluation fit well inside
 STRAGGLER_DELAY_MS = 100.0
 RUN_TIMEOUT_S = 90.0  # start-up of the ranks (torch imports on a loaded 2-core machine) + training
@@ -48,12 +47,6 @@ UNEVEN_THRESHOLD = 10  # TensorplayUnevenInputs: >= 10 shadowed iterations (depl
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-
-
-def alert_expr(name: str) -> str:
-    """The expression of alert ``name``, as deploy/prometheus/rules/tensorplay.alerts.yml has it."""
-    groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
-    return next(rule["expr"] for group in groups for rule in group["rules"] if rule.get("alert") == name)
 
 
 @dataclass
@@ -160,12 +153,22 @@ def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *fla
     return run
 
 
+# Panels of the hang row that show ranks waiting inside a collective or no longer scraped: empty
+# once a healthy run's training is over (its ranks linger in no collective, all scraped).
+HANG_PANELS_EMPTY_AFTER_TRAINING = {
+    "Longest and shortest wait inside a collective, by job",
+    "Seconds waiting inside a collective now (10 longest)",
+    "Ranks waiting inside a collective",
+    "Ranks no longer scraped (last 30 min)",
+}
+
+
 def check_dashboards(run: ScrapedRun) -> dict[str, int]:
     """Run every dashboard query on the run's data (both runs have uneven inputs, so Join's panels
     have data too). Each must execute, and answer unless it legitimately has nothing to show:
-    "Stalled ranks" (a threshold panel: no rank is a minute behind) and "Telemetry errors" (the
-    run had no telemetry problem), which must then be empty. Returns ``{title: series}``."""
-    stalled_title = "Stalled ranks"
+    the hang panels of waiting and vanished ranks (after training no rank is in a collective and
+    none is gone) and "Telemetry errors" (the run had no telemetry problem), which must then be
+    empty. Returns ``{title: series}``."""
     titles = set()
     answered: dict[str, int] = {}
     missing, unexpected = [], []
@@ -174,13 +177,13 @@ def check_dashboards(run: ScrapedRun) -> dict[str, int]:
             titles.add(title)
             result = run.query(expr)  # raises PrometheusError on a query Prometheus rejects
             answered[title] = answered.get(title, 0) + len(result)
-            empty_expected = title == stalled_title or any(
+            empty_expected = title in HANG_PANELS_EMPTY_AFTER_TRAINING or any(
                 s.metric == "tensorplay_telemetry_errors_total" for s in selectors(expr))
             if empty_expected and result:
                 unexpected.append((path.name, title, expr, result))
             elif not empty_expected and not result:
                 missing.append((path.name, title, expr))
-    assert stalled_title in titles, "the dashboards have no 'Stalled ranks' panel any more: update this test"
+    assert HANG_PANELS_EMPTY_AFTER_TRAINING <= titles, "a hang panel was renamed or removed: update this test"
     assert not missing, f"dashboard queries without data: {missing}"
     assert not unexpected, f"dashboard queries with data where none is expected: {unexpected}"
     return answered
@@ -222,6 +225,8 @@ def test_straggler_run_names_the_straggler_and_every_panel_answers(prometheus, t
         assert shadowed == {"0": UNEVEN_THRESHOLD - 1, "1": 0.0}, shadowed
         assert run.values(alert_expr("TensorplayUnevenInputs")) == {}, shadowed
         assert run.values(alert_expr("TensorplayRankStalled")) == {}
+        assert run.values(alert_expr("TensorplayJobHung")) == {}
+        assert run.values(alert_expr("TensorplayRankMetricsMissing")) == {}
         assert run.values(alert_expr("TensorplayGradientOverflow")) == {}
 
         # Exemplars: the latency histogram carries the trace ids of the demo's own spans.
@@ -277,6 +282,8 @@ def test_uneven_run_without_straggler(prometheus, tmp_path: Path) -> None:
         assert uneven == {rank: n for rank, n in shadowed.items() if n >= UNEVEN_THRESHOLD} == {"0": 80.0, "1": 40.0}
 
         assert run.values(alert_expr("TensorplayRankStalled")) == {}
+        assert run.values(alert_expr("TensorplayJobHung")) == {}
+        assert run.values(alert_expr("TensorplayRankMetricsMissing")) == {}
         assert run.values(alert_expr("TensorplayGradientOverflow")) == {}
 
         answered = check_dashboards(run)

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import yaml
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
+from .alert_rules import alert_expr
 from .dashboard_queries import dashboard_paths, dashboard_queries
 from .prometheus_server import PrometheusError, PrometheusServer, prometheus  # noqa: F401 (fixture)
 
-ALERTS_FILE = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules" / "tensorplay.alerts.yml"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -38,6 +36,9 @@ class FakeRank:
             "tensorplay_step_compute_seconds", "compute", ("rank",), buckets=LATENCY_BUCKETS, registry=self.registry
         )
         self.last_step = Gauge("tensorplay_last_step_timestamp_seconds", "last", ("rank",), registry=self.registry)
+        self.waiting_since = Gauge(
+            "tensorplay_collective_waiting_since_timestamp_seconds", "waiting", ("rank",), registry=self.registry
+        )
         self.httpd, _thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
         self.target = f"127.0.0.1:{self.httpd.server_port}"
 
@@ -45,15 +46,21 @@ class FakeRank:
         self.compute.labels(rank=self.rank).observe(self.compute_seconds)
         self.latency.labels(rank=self.rank, hook="fp16_compress_hook").observe(0.004, {"trace_id": TRACE_ID})
         self.last_step.labels(rank=self.rank).set(time.time())
+        self.waiting_since.labels(rank=self.rank).set(0)  # sampled between collectives
+
+    def hang(self, waiting_since: float, last_step: float) -> None:
+        """Freeze as a hung rank: in a collective since ``waiting_since`` (0: in none)."""
+        self.last_step.labels(rank=self.rank).set(last_step)
+        self.waiting_since.labels(rank=self.rank).set(waiting_since)
 
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_ranks():
-    """Rank 0 computes 20 ms a step, rank 1 (a straggler) 80 ms; both step every 50 ms."""
+    """Job "fixture": rank 0 computes 20 ms a step, rank 1 (a straggler) 80 ms; both step every 50 ms."""
     ranks = [FakeRank(0, 0.02), FakeRank(1, 0.08)]
     stop = threading.Event()
 
@@ -74,17 +81,37 @@ def two_ranks():
         rank.close()
 
 
-def _straggler_expr() -> str:
-    groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
-    return next(r["expr"] for g in groups for r in g["rules"] if r.get("alert") == "TensorplayStragglerRank")
+@pytest.fixture(scope="module")
+def hung_jobs():
+    """Two frozen jobs whose collectives began 5 s ago: in "stuck", ranks 0 and 1 wait in one for
+    rank 2, which is in none (its latest hook call half a second before); in "hung", every rank
+    waits."""
+    began = time.time() - 5
+    jobs = {"stuck": [FakeRank(rank, 0.01) for rank in range(3)], "hung": [FakeRank(rank, 0.01) for rank in range(2)]}
+    for rank in jobs["stuck"][:2] + jobs["hung"]:
+        rank.hang(waiting_since=began, last_step=began)
+    jobs["stuck"][2].hang(waiting_since=0, last_step=began - 0.5)
+    yield jobs
+    for ranks in jobs.values():
+        for rank in ranks:
+            rank.close()
 
 
-def test_scrapes_evaluates_rules_and_keeps_exemplars(prometheus, two_ranks):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, two_ranks, hung_jobs):
+    """One Prometheus for the module (its first scrape takes ~5 s): it scrapes all three jobs."""
+    targets = {"fixture": [rank.target for rank in two_ranks]}
+    targets.update({job: [rank.target for rank in ranks] for job, ranks in hung_jobs.items()})
+    with PrometheusServer(targets, tmp_path_factory.mktemp("prometheus")) as server:
+        yield server
+
+
+def test_scrapes_evaluates_rules_and_keeps_exemplars(server, two_ranks):
     started = time.time()
-    server = prometheus([rank.target for rank in two_ranks], job="fixture")
-
-    targets = server.wait_for_targets_up(2)
-    assert {t["labels"]["job"] for t in targets} == {"fixture"}
+    targets = server.wait_for_targets_up(7)
+    assert {t["scrapeUrl"] for t in targets if t["labels"]["job"] == "fixture"} == {
+        f"http://{rank.target}/metrics" for rank in two_ranks
+    }
 
     samples = server.wait_for('tensorplay_last_step_timestamp_seconds{job="fixture"}', count=2)
     assert {s["metric"]["rank"] for s in samples} == {"0", "1"}
@@ -93,11 +120,11 @@ def test_scrapes_evaluates_rules_and_keeps_exemplars(prometheus, two_ranks):
     # The project's rule files are loaded and evaluated every second.
     names = {group["name"] for group in server.rule_groups()}
     assert {"tensorplay.rules", "tensorplay.alerts"} <= names
-    server.wait_for('job_rank:tensorplay_last_step_timestamp_seconds:lag{job="fixture"}', count=2)
+    server.wait_for('job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job="fixture"}', count=2)
 
     # The straggler expression, read from the alert file, names rank 1 and only rank 1 -- and the
     # alert is pending already: its `for:` is all that stands between it and firing.
-    expr = _straggler_expr()
+    expr = alert_expr("TensorplayStragglerRank")
     server.wait_until(lambda: set(server.query_values(expr)) == {"1"}, 30, f"{expr} to name rank 1")
     pending = server.wait_for('ALERTS{alertname="TensorplayStragglerRank", alertstate="pending"}')
     assert [a["metric"]["rank"] for a in pending] == ["1"]
@@ -118,8 +145,31 @@ def test_scrapes_evaluates_rules_and_keeps_exemplars(prometheus, two_ranks):
         for title, query in dashboard_queries(path, job="fixture", rank=["0", "1"], rate_interval="1m"):
             answered[title] = answered.get(title, False) or bool(server.query(query))
     for title in ("Allreduce latency p99 by rank and hook", "Allreduce latency distribution",
-                  "Straggler score (compute ÷ peers' median, 5m)", "Seconds behind the newest rank of the job"):
+                  "Straggler score (compute ÷ peers' median, 5m)", "Ranks in no collective"):
         assert answered[title], title
+
+
+def test_hang_expressions_and_panels_on_hung_jobs(server):
+    """With the 120 s threshold replaced by 1 s (the waits began 5 s ago), the hang expressions
+    name rank 2 of "stuck" and the job "hung" -- and the healthy "fixture" job not at all; with
+    the real threshold, nothing. The hang panels show both jobs."""
+    server.wait_for('job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job=~"stuck|hung"}', count=5)
+    stalled = alert_expr("TensorplayRankStalled", {120: 1})
+    job_hung = alert_expr("TensorplayJobHung", {120: 1})
+    assert {(s["metric"]["job"], s["metric"]["rank"]) for s in server.query(stalled)} == {("stuck", "2")}
+    assert [s["metric"] for s in server.query(job_hung)] == [{"job": "hung"}]
+    assert server.query(alert_expr("TensorplayRankStalled")) == []
+    assert server.query(alert_expr("TensorplayJobHung")) == []
+
+    answered: dict[str, set] = {}
+    path = next(p for p in dashboard_paths() if p.name == "stragglers-join.json")
+    for title, query in dashboard_queries(path, job=["stuck", "hung"], rank=".*", rate_interval="1m"):
+        answered.setdefault(title, set()).update(s["metric"].get("job") for s in server.query(query))
+    assert answered["Longest and shortest wait inside a collective, by job"] == {"stuck", "hung"}
+    assert answered["Seconds waiting inside a collective now (10 longest)"] == {"stuck", "hung"}
+    assert answered["Ranks in no collective, longest since their latest hook call (10)"] == {"stuck"}
+    assert answered["Ranks waiting inside a collective"] == {"stuck", "hung"}
+    assert answered["Ranks in no collective"] == {"stuck"}
 
 
 def test_bad_query_raises(prometheus):
