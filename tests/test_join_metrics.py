@@ -93,3 +93,38 @@ def test_join_span_when_the_application_configured_the_sdk() -> None:
         assert spans["tensorplay.join"]["tensorplay.join.shadow_iterations"] == (2 if rank == 0 else 0)
         assert spans["tensorplay.join"]["tensorplay.join.last_joiner"] == (rank == 1)
         assert spans["tensorplay.join"]["tensorplay.world_size"] == 2
+
+
+LATE_INPUTS = 24  # rank 1's batches; rank 0 has 2, so it shadows 22 rounds while rank 1 trains
+
+
+def _long_join(rank: int, world_size: int, base_port: int) -> dict:
+    """Rank 1 scrapes rank 0 while rank 0 shadows inside Join, then once more after the Join."""
+    enable_metrics(port=base_port, addr="127.0.0.1")
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    model.register_comm_hook(None, traced(default_hooks.allreduce_hook))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen: list[tuple[int, float | None, float | None]] = []
+    with Join([model]):
+        for step in range(2 if rank == 0 else LATE_INPUTS):
+            optimizer.zero_grad()
+            model(rank_batch(rank, step)).square().mean().backward()
+            optimizer.step()
+            if rank == 1 and step in (6, 14, 22):  # rank 0 has joined, rank 1 has not
+                samples = _samples(f"http://127.0.0.1:{base_port}/metrics")
+                label = (("rank", "0"),)
+                seen.append((step, samples.get(("tensorplay_join_timestamp_seconds", label)),
+                             samples.get(("tensorplay_join_shadow_iterations", label))))
+    return {"seen": seen, "time": time.time()}
+
+
+def test_join_figures_are_live_while_a_rank_shadows() -> None:
+    base = free_base_port(2)
+    early, late = run_ranks(_long_join, 2, base)
+    joined = [joined_at for _, joined_at, _ in late["seen"]]
+    shadowed = [count for _, _, count in late["seen"]]
+    assert all(joined_at is not None and 1.7e9 < joined_at <= late["time"] for joined_at in joined), late["seen"]
+    assert len(set(joined)) == 1, "one join time: the moment rank 0 ran out of inputs"
+    # Rank 0 shadows one round per step of rank 1 after its own 2: the count grows with them.
+    assert shadowed[0] >= 3 and shadowed == sorted(shadowed) and len(set(shadowed)) == 3, late["seen"]
+    assert all(count <= step - 1 for step, _, count in late["seen"]), late["seen"]

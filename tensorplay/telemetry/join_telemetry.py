@@ -1,11 +1,40 @@
-"""Turns each ``Join``'s report into the ``tensorplay_join_*`` metrics and a join-phase span."""
+"""Turns each ``Join``'s reports into the ``tensorplay_join_*`` metrics and a join-phase span.
+
+The join time and shadow count are live: set when a rank joins and after every round it shadows,
+so a long skew shows while it lasts. The wait histogram, the counter, the last-joiner gauge and
+the span follow once every rank has joined.
+"""
+
+import functools
+import time
+from typing import Callable
 
 from . import probe
-from .metrics import active_metrics
+from .metrics import active_metrics, rank_label
 from .names import JOIN_SPAN_NAME, Attr
 from .tracing import tracer
 
-__all__ = ["record_join"]
+__all__ = ["record_join", "record_join_progress", "watch_collective"]
+
+
+def watch_collective() -> Callable[[], None] | None:
+    """Count a blocking collective of ``Join`` as in flight until the returned function is called."""
+    metrics = active_metrics()
+    if metrics is None:
+        return None
+    rank = rank_label()
+    token = metrics.collectives_in_flight.launched(rank, time.time())
+    return functools.partial(metrics.collectives_in_flight.completed, rank, token)
+
+
+def record_join_progress(progress: probe.JoinProgress) -> None:
+    """Keep this rank's join time and shadowed iterations current while it shadows."""
+    metrics = active_metrics()
+    if metrics is not None:
+        rank = str(progress.rank)
+        if progress.shadow_iterations == 0:
+            metrics.join_timestamp.labels(rank=rank).set(progress.joined_unix)
+        metrics.join_shadow_iterations.labels(rank=rank).set(progress.shadow_iterations)
 
 
 def record_join(report: probe.JoinReport) -> None:
@@ -35,3 +64,5 @@ def record_join(report: probe.JoinReport) -> None:
 # Join measures only while someone listens; this listener exports to whatever is on (metrics,
 # an SDK tracer provider) and does nothing otherwise. A Join costs a few clock reads per context.
 probe.add_join_listener(record_join)
+probe.add_join_progress_listener(record_join_progress)
+probe.set_collective_watch(watch_collective)

@@ -4,8 +4,9 @@ The algorithms (hooks, ``Join``) import this module and nothing else of ``tensor
 A hook asks :func:`current_recorder` once per call: ``None`` means nobody traces this call and
 every report is skipped behind that single branch. A traced hook installs a recorder for the
 synchronous part of the call; hooks that report from future callbacks keep the recorder they got
-at call time. ``Join`` hands one :class:`JoinReport` per context to the join listeners, and only
-builds it when :func:`join_listening` says someone listens.
+at call time. ``Join`` hands one :class:`JoinReport` per context to the join listeners, and a
+:class:`JoinProgress` when a rank joins and after every round it shadows, so live gauges follow a
+long skew; it only builds them when :func:`join_listening` says someone listens.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 __all__ = [
     "HookRecorder",
     "JoinReport",
+    "JoinProgress",
     "current_recorder",
     "install_recorder",
     "uninstall_recorder",
@@ -30,9 +32,13 @@ __all__ = [
     "remove_join_listener",
     "join_listening",
     "report_join",
+    "add_join_progress_listener",
+    "report_join_progress",
     "enter_shadow_phase",
     "leave_shadow_phase",
     "in_shadow_phase",
+    "set_collective_watch",
+    "collective_started",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -131,7 +137,44 @@ class JoinReport:
     """Whether this rank was among the last to join (torch's ``is_last_joiner``)."""
 
 
+@dataclass(frozen=True)
+class JoinProgress:
+    """Where one rank's ``Join`` is while it shadows: sent when it joins, then after every round."""
+
+    rank: int
+    joined_unix: float
+    """Unix time this rank ran out of inputs."""
+    shadow_iterations: int
+    """Iterations shadowed so far in this ``Join``."""
+
+
+_collective_watch: Callable[[], Callable[[], None] | None] | None = None
+
+
+def set_collective_watch(watch: Callable[[], Callable[[], None] | None] | None) -> None:
+    """Install what :func:`collective_started` calls (the telemetry's in-flight gauge)."""
+    global _collective_watch
+    _collective_watch = watch
+
+
+def collective_started() -> Callable[[], None] | None:
+    """Note that a blocking collective outside any hook starts (``Join``'s own all-reduce).
+
+    Returns the function to call once it completed, or None when nobody watches. A rank that
+    waits there is waiting inside a collective, not stuck outside one.
+    """
+    watch = _collective_watch
+    if watch is None:
+        return None
+    try:
+        return watch()
+    except Exception:  # telemetry must never break training
+        _logger.exception("tensorplay collective watch failed")
+        return None
+
+
 _join_listeners: list[Callable[[JoinReport], None]] = []
+_join_progress_listeners: list[Callable[[JoinProgress], None]] = []
 _shadow_depth = 0
 
 
@@ -166,6 +209,21 @@ def remove_join_listener(listener: Callable[[JoinReport], None]) -> None:
     """Stop calling ``listener``; a listener that is not registered is ignored."""
     if listener in _join_listeners:
         _join_listeners.remove(listener)
+
+
+def add_join_progress_listener(listener: Callable[[JoinProgress], None]) -> None:
+    """Have ``listener`` called with every :class:`JoinProgress` from now on."""
+    if listener not in _join_progress_listeners:
+        _join_progress_listeners.append(listener)
+
+
+def report_join_progress(progress: JoinProgress) -> None:
+    """Hand ``progress`` to the progress listeners; a failing one is logged and never breaks ``Join``."""
+    for listener in list(_join_progress_listeners):
+        try:
+            listener(progress)
+        except Exception:  # telemetry must never break training
+            _logger.exception("tensorplay join progress listener %r failed", listener)
 
 
 def join_listening() -> bool:

@@ -19,7 +19,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from types import TracebackType
-from typing import Any, NamedTuple, Sequence, Union
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -221,13 +221,19 @@ class Join:
         if not probe.join_listening():
             self._run_post_hooks(self._shadow_until_all_joined()[1])
             return
+        rank = dist.get_rank()
         joined_unix, joined = time.time(), time.monotonic()
-        rounds, is_last_joiner = self._shadow_until_all_joined()
+
+        def shadowed(rounds: int) -> None:
+            probe.report_join_progress(probe.JoinProgress(rank, joined_unix, rounds))
+
+        shadowed(0)
+        rounds, is_last_joiner = self._shadow_until_all_joined(shadowed)
         wait_seconds = time.monotonic() - joined
         self._run_post_hooks(is_last_joiner)
         probe.report_join(
             probe.JoinReport(
-                rank=dist.get_rank(),
+                rank=rank,
                 world_size=dist.get_world_size(self._process_group),
                 joined_unix=joined_unix,
                 all_joined_unix=joined_unix + wait_seconds,
@@ -237,12 +243,13 @@ class Join:
             )
         )
 
-    def _shadow_until_all_joined(self) -> tuple[int, bool]:
+    def _shadow_until_all_joined(self, shadowed: Callable[[int], None] | None = None) -> tuple[int, bool]:
         """
         Run the main hooks once per round in which some rank still has inputs.
 
-        Returns the number of rounds and whether this rank was among the last to join (it ran
-        none). The shadow phase ends here, however the loop ends.
+        ``shadowed(rounds)`` is told after every round. Returns the number of rounds and whether
+        this rank was among the last to join (it ran none). The shadow phase ends here, however
+        the loop ends.
         """
         rounds = 0
         try:
@@ -252,6 +259,8 @@ class Join:
                 for hook in self._join_hooks:
                     hook.main_hook()
                 rounds += 1
+                if shadowed is not None:
+                    shadowed(rounds)
                 if rounds == _SKEW_WARNING_ROUNDS + 1:
                     warnings.warn(
                         f"Detected uneven input skew of greater than {_SKEW_WARNING_ROUNDS}. This means "
@@ -267,7 +276,12 @@ class Join:
     def _count_nonjoined_ranks(self) -> int:
         """Return how many ranks still have inputs: each announced itself in notify_join_context."""
         count = torch.zeros(1, device=self._device)
-        dist.all_reduce(count, group=self._process_group)
+        completed = probe.collective_started()
+        try:
+            dist.all_reduce(count, group=self._process_group)
+        finally:
+            if completed is not None:
+                completed()
         return int(count.item())
 
     def _stop_every_rank(self) -> None:
