@@ -254,3 +254,35 @@ def test_a_repeated_call_exports_each_span_once(fresh_otel: list, tmp_path: Any)
     provider.force_flush()
     assert len(first.read_text().splitlines()) == 1
     assert len(other.read_text().splitlines()) == 1
+
+
+# --- the final scrape ----------------------------------------------------------------------------
+
+
+def test_a_rank_waits_for_one_more_prometheus_scrape_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import urllib.request
+
+    from tensorplay.telemetry import metrics as metrics_module, wait_for_final_scrape
+    from tensorplay.telemetry.server import MetricsServer
+
+    server = MetricsServer(TensorplayMetrics(CollectorRegistry()).registry, "127.0.0.1", 0)
+    monkeypatch.setattr(metrics_module, "_server", server)
+    url = "http://127.0.0.1:%d/metrics" % server.address[1]
+
+    def scrape(prometheus: bool) -> None:
+        headers = {"X-Prometheus-Scrape-Timeout-Seconds": "10"} if prometheus else {}
+        urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10).read()
+
+    try:
+        scrape(prometheus=False)  # a person's curl: nobody to wait for
+        assert wait_for_final_scrape() is False
+        scrape(prometheus=True)
+        scrape(prometheus=True)
+        assert server.scrapes.interval_s() is not None
+        assert wait_for_final_scrape(timeout_s=0.2) is False  # no scrape came in time
+        later = threading.Timer(0.3, scrape, kwargs={"prometheus": True})
+        later.start()
+        assert wait_for_final_scrape() is True  # the next one read the final values
+        later.join()
+    finally:
+        server.close()

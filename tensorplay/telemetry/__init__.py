@@ -1,11 +1,18 @@
 """Turns what the algorithms report into OpenTelemetry spans and Prometheus metrics.
 
 Public entry points: :func:`traced`, :func:`enable_metrics` / :func:`disable_metrics`,
-:func:`configure_tracing` and :func:`flush`.
+:func:`configure_tracing`, :func:`flush` and :func:`wait_for_final_scrape`.
 """
 
 from . import join_telemetry  # noqa: F401  (exports every Join's timing)
-from .metrics import TensorplayMetrics, active_metrics, disable_metrics, enable_metrics, served_address
+from .metrics import (
+    TensorplayMetrics,
+    active_metrics,
+    disable_metrics,
+    enable_metrics,
+    served_address,
+    wait_for_final_scrape,
+)
 from .resolver import flush
 from .traced import DEFAULT_ERROR_EVERY, traced
 from .tracing import configure_tracing
@@ -18,6 +25,7 @@ __all__ = [
     "disable_metrics",
     "active_metrics",
     "served_address",
+    "wait_for_final_scrape",
     "configure_tracing",
     "flush",
 ]

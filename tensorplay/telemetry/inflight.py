@@ -10,10 +10,21 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import dataclass
 
 from prometheus_client import Gauge
 
-__all__ = ["CollectivesInFlight"]
+__all__ = ["CollectivesInFlight", "WaitingCollective"]
+
+
+@dataclass(frozen=True)
+class WaitingCollective:
+    """A traced collective in flight: since when, and which step and bucket it serves."""
+
+    since_unix: float
+    step: int | None = None
+    bucket: int | None = None
+    """None for a collective outside any hook call (``Join``'s own all-reduce)."""
 
 
 class CollectivesInFlight:
@@ -22,15 +33,15 @@ class CollectivesInFlight:
     def __init__(self, waiting_since: Gauge) -> None:
         self._gauge = waiting_since
         self._lock = threading.Lock()
-        self._launched: dict[str, dict[int, float]] = {}
+        self._launched: dict[str, dict[int, WaitingCollective]] = {}
         self._tokens = itertools.count()
 
-    def launched(self, rank: str, unix_s: float) -> int:
+    def launched(self, rank: str, unix_s: float, step: int | None = None, bucket: int | None = None) -> int:
         """Note a collective launched at ``unix_s``; returns the token for :meth:`completed`."""
         token = next(self._tokens)
         with self._lock:
             pending = self._launched.setdefault(rank, {})
-            pending[token] = unix_s
+            pending[token] = WaitingCollective(unix_s, step, bucket)
             if len(pending) == 1:
                 self._gauge.labels(rank=rank).set(unix_s)
         return token
@@ -44,7 +55,13 @@ class CollectivesInFlight:
             was_oldest = next(iter(pending)) == token
             del pending[token]
             if was_oldest:
-                self._gauge.labels(rank=rank).set(next(iter(pending.values()), 0.0))
+                oldest = next(iter(pending.values()), None)
+                self._gauge.labels(rank=rank).set(oldest.since_unix if oldest is not None else 0.0)
+
+    def oldest(self, rank: str) -> WaitingCollective | None:
+        """The oldest collective of ``rank`` in flight, or None."""
+        with self._lock:
+            return next(iter(self._launched.get(rank, {}).values()), None)
 
     def in_flight(self, rank: str) -> int:
         """How many collectives of ``rank`` are in flight now."""

@@ -23,6 +23,7 @@ __all__ = [
     "disable_metrics",
     "active_metrics",
     "served_address",
+    "wait_for_final_scrape",
     "DEFAULT_METRICS_PORT",
     "DEFAULT_METRICS_ADDR",
 ]
@@ -36,6 +37,7 @@ ADDR_ENV = "TENSORPLAY_METRICS_ADDR"
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ERROR_BUCKETS = (1e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_FINAL_SCRAPE_MAX_S = 60.0
 JOIN_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
 
 
@@ -152,6 +154,9 @@ def enable_metrics(
                     stacklevel=2,
                 )
                 metrics.count_error(_rank(), "metrics_port_unavailable")
+        # In no collective yet: the series exists from the start, so a rank stuck before its
+        # first collective is still seen as outside one.
+        metrics.collective_waiting_since.labels(rank=rank_label()).set(0)
         _active = metrics
     return metrics
 
@@ -177,6 +182,26 @@ def active_metrics() -> TensorplayMetrics | None:
             except Exception:  # a bad environment value must not stop training
                 _logger.exception("tensorplay: could not enable metrics from %s", PORT_ENV)
     return _active
+
+
+def wait_for_final_scrape(timeout_s: float | None = None) -> bool:
+    """Keep serving until Prometheus has read this rank's metrics once more; True once it has.
+
+    Call it at the very end of a job (after :func:`~tensorplay.telemetry.flush`), so the last
+    values -- the final ``Join`` figures above all -- reach Prometheus before the process exits.
+    It waits for one Prometheus scrape (one carrying ``X-Prometheus-Scrape-Timeout-Seconds``)
+    that starts after the call, at most ``timeout_s`` seconds; by default 1.5 times the interval
+    between the last two scrapes plus a second, or a minute when only one was seen. It returns
+    False at once when nothing is served or Prometheus never scraped this rank: there is nobody
+    to wait for.
+    """
+    server = _server
+    if server is None or not server.scrapes.seen():
+        return False
+    if timeout_s is None:
+        interval = server.scrapes.interval_s()
+        timeout_s = _FINAL_SCRAPE_MAX_S if interval is None else min(1.5 * interval + 1.0, _FINAL_SCRAPE_MAX_S)
+    return server.scrapes.wait_for_next(timeout_s)
 
 
 def served_address() -> tuple[str, int] | None:

@@ -114,7 +114,9 @@ class BucketRecord:
             launch = stamp(tensor.device)
             token = None
             if self.metrics is not None:
-                token = self.metrics.collectives_in_flight.launched(self.rank_label, launch.unix_ns / 1e9)
+                token = self.metrics.collectives_in_flight.launched(
+                    self.rank_label, launch.unix_ns / 1e9, self.step, self.bucket_index
+                )
             self.launches.append(launch)
             self.ends.stamps.append(None)
             self._in_flight.append(token)
