@@ -113,21 +113,28 @@ def _wait(what: str, predicate, timeout: float, process: subprocess.Popen, outpu
         time.sleep(0.2)
 
 
-def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *flags: str):
-    """Start Prometheus and ``python -m tensorplay demo``; return a ScrapedRun once ``at`` is known.
-
-    The caller checks, then calls ``finish()``; on a failed check it stops the demo with ``_stop``.
-    """
+def start_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *flags: str,
+                       linger_s: float = LINGER_S) -> ScrapedRun:
+    """Start Prometheus and ``python -m tensorplay demo`` with its ranks as the targets; ``at`` is 0."""
     port = free_base_port(world_size)
     server = prometheus([f"127.0.0.1:{port + rank}" for rank in range(world_size)], job=job)
     run_dir = tmp_path / "run"
     stdout_path, stderr_path = tmp_path / "demo.stdout", tmp_path / "demo.stderr"
     command = [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size),
-               "--metrics-port", str(port), "--linger-s", repr(LINGER_S), "--run-dir", str(run_dir), *flags]
+               "--metrics-port", str(port), "--linger-s", repr(linger_s), "--run-dir", str(run_dir), *flags]
     started = time.time()
     with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True)
-    run = ScrapedRun(server, job, world_size, run_dir, started, 0.0, process, stdout_path, stderr_path)
+    return ScrapedRun(server, job, world_size, run_dir, started, 0.0, process, stdout_path, stderr_path)
+
+
+def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *flags: str):
+    """Start Prometheus and ``python -m tensorplay demo``; return a ScrapedRun once ``at`` is known.
+
+    The caller checks, then calls ``finish()``; on a failed check it stops the demo with ``_stop``.
+    """
+    run = start_scraped_demo(prometheus, tmp_path, job, world_size, *flags)
+    server, process, run_dir = run.server, run.process, run.run_dir
     try:
         # 1. Training is over on every rank and its telemetry flushed: the served values are final.
         _wait("every rank's result file",
@@ -294,3 +301,87 @@ def test_uneven_run_without_straggler(prometheus, tmp_path: Path) -> None:
     stdout = run.finish()
     assert "straggler: none" in stdout, stdout
 
+
+
+# -- hangs ------------------------------------------------------------------------------------------
+
+HANG_THRESHOLD_S = 3  # the alerts' 120 s, lowered for a run of seconds (alert_expr substitutes it)
+STALL_TIMEOUT_S = 25.0  # the demo's own hang report comes after Prometheus has seen the hang
+
+
+def _hang_verdicts(prometheus, tmp_path: Path, job: str, *flags: str) -> tuple[ScrapedRun, str, str]:
+    """Run a 3-rank demo that hangs; once Prometheus saw the hang past the threshold, evaluate both
+    hang alerts at that instant; then let the demo's stall timeout end it (exit 3). Returns the
+    run, the expression that fired first, and the demo's stdout."""
+    run = start_scraped_demo(prometheus, tmp_path, job, 3, "--steps", "30", "--hang-rank", "1", "--hang-at-step", "4",
+                             "--stall-timeout-s", repr(STALL_TIMEOUT_S), *flags)
+    stalled = alert_expr("TensorplayRankStalled", {120: HANG_THRESHOLD_S})
+    hung = alert_expr("TensorplayJobHung", {120: HANG_THRESHOLD_S})
+    try:
+        def fired() -> str | None:
+            for name, expr in (("stalled", stalled), ("hung", hung)):
+                result = [s for s in run.server.query(expr) if s["metric"].get("job") == job]
+                if result:
+                    run.at = float(result[0]["value"][0])
+                    return name
+            return None
+
+        first = _wait("a hang alert expression to fire", fired, RUN_TIMEOUT_S, run.process, run.output)
+        run.process.wait(timeout=STALL_TIMEOUT_S + 40)
+    except BaseException:
+        _stop(run.process)
+        raise
+    assert run.process.returncode == 3, run.output()
+    return run, first, run.stdout_path.read_text()
+
+
+def test_a_rank_stuck_in_its_compute_is_named_live_and_by_the_demo(prometheus, tmp_path: Path) -> None:
+    """Rank 1 stops for good at step 4, as a stuck data loader would; ranks 0 and 2 wait for it in
+    the allreduce. While it hangs, TensorplayRankStalled's expression names rank 1 and only rank 1,
+    TensorplayJobHung's nothing; the demo's hang report names rank 1 as the one that never arrived."""
+    job = "e2e-hang"
+    run, first, stdout = _hang_verdicts(prometheus, tmp_path, job)
+    stalled = run.values(alert_expr("TensorplayRankStalled", {120: HANG_THRESHOLD_S}))
+    assert first == "stalled" and set(stalled) == {"1"}, (first, stalled)
+    assert stalled["1"] > HANG_THRESHOLD_S  # the value: how long the peers have waited
+    assert run.values(alert_expr("TensorplayJobHung", {120: HANG_THRESHOLD_S})) == {}
+    waiting = run.values(f'tensorplay_collective_waiting_since_timestamp_seconds{{job="{job}"}}')
+    assert waiting["1"] == 0 and waiting["0"] > 0 and waiting["2"] > 0, waiting
+    assert "rank 1: in no collective after 4 batches" in stdout and "it never arrived" in stdout, stdout
+    assert "rank 0: waiting inside a collective since" in stdout and "step 4, bucket 0" in stdout, stdout
+    assert "rank 2: waiting inside a collective since" in stdout, stdout
+    assert "stuck on rank 1 (TensorplayRankStalled)" in stdout, stdout
+
+
+def test_every_rank_waiting_is_a_hung_job_with_no_rank_to_blame(prometheus, tmp_path: Path) -> None:
+    """Rank 1 blocks inside a traced collective that its peer never joins, the others wait for rank 1
+    in the allreduce: every rank waits inside a collective. TensorplayJobHung's expression returns the
+    job, TensorplayRankStalled's nothing, and the demo says there is no rank to blame."""
+    job = "e2e-hung"
+    run, first, stdout = _hang_verdicts(prometheus, tmp_path, job, "--hang-inside-collective")
+    assert first == "hung"
+    hung = run.query(alert_expr("TensorplayJobHung", {120: HANG_THRESHOLD_S}))
+    assert [s["metric"]["job"] for s in hung] == [job], hung
+    assert run.values(alert_expr("TensorplayRankStalled", {120: HANG_THRESHOLD_S})) == {}
+    for rank in range(3):
+        assert f"rank {rank}: waiting inside a collective since" in stdout, stdout
+    assert "no rank to blame (TensorplayJobHung)" in stdout, stdout
+
+
+def test_a_job_that_ends_right_after_its_join_leaves_its_final_figures(prometheus, tmp_path: Path) -> None:
+    """No linger: the ranks exit right after training, yet Prometheus holds each rank's final Join
+    figures, because a rank waits (bounded) for one more scrape before it exits."""
+    job = "e2e-short"
+    run = start_scraped_demo(prometheus, tmp_path, job, 2, "--steps", "40", "--uneven", linger_s=0.0)
+    try:
+        run.process.wait(timeout=RUN_TIMEOUT_S)
+    except BaseException:
+        _stop(run.process)
+        raise
+    assert run.process.returncode == 0, run.output()
+    joins = {s["metric"]["rank"]: float(s["value"][1])
+             for s in run.server.query(f'last_over_time(tensorplay_joins_total{{job="{job}"}}[10m])')}
+    shadowed = {s["metric"]["rank"]: float(s["value"][1])
+                for s in run.server.query(f'last_over_time(tensorplay_join_shadow_iterations{{job="{job}"}}[10m])')}
+    assert joins == {"0": 1.0, "1": 1.0}, joins
+    assert shadowed == {"0": 10.0, "1": 0.0}, shadowed

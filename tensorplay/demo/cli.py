@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 
+from .hang import EXIT_HUNG, HangWatch
 from .launch import Interrupted, RanksFailed, launch_ranks
 from .options import add_job_arguments, job_argv, job_problem
 from .progress import ProgressDisplay
@@ -64,10 +65,14 @@ def _demo(args: argparse.Namespace) -> int:
 
     print(f"tensorplay demo: {args.world_size} ranks x {args.steps} steps, traced({args.hook}), gloo on 127.0.0.1; "
           f"run dir {run_dir.path}", file=sys.stderr, flush=True)
+    hang_watch = HangWatch(run_dir, args.world_size, args.stall_timeout_s)
     try:
-        with ProgressDisplay(run_dir, args.world_size):
+        with ProgressDisplay(run_dir, args.world_size), hang_watch:
             launch_ranks(args.world_size, job_argv(args), run_dir)
     except Interrupted:
+        if hang_watch.report is not None:
+            print("\n" + hang_watch.report.render(), flush=True)
+            return EXIT_HUNG
         print("\ntensorplay demo: interrupted; every rank stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
     except RanksFailed as failure:

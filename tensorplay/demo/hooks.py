@@ -1,10 +1,12 @@
 """The communication hooks ``tensorplay demo`` can run, by name, each registered as ``traced(...)``."""
 
-from __future__ import annotations
+from typing import Any, Callable, Optional
 
-from typing import Any, Callable
+import torch
+import torch.distributed as dist
 
 from tensorplay import traced
+from tensorplay.telemetry.probe import describe_hook, hook_name, reports_collectives
 from tensorplay.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 
 __all__ = ["HOOK_NAMES", "DEFAULT_HOOK", "traced_hook"]
@@ -39,7 +41,30 @@ HOOK_NAMES: tuple[str, ...] = tuple(_HOOKS)
 DEFAULT_HOOK = "fp16_compress_hook"
 
 
-def traced_hook(name: str) -> tuple[Hook, Any]:
-    """Return ``(traced(hook), state)`` for the hook called ``name``, ready for ``register_comm_hook``."""
+def traced_hook(name: str, blocked_at: Optional[tuple[int, Any]] = None) -> tuple[Hook, Any]:
+    """Return ``(traced(hook), state)`` for the hook called ``name``, ready for ``register_comm_hook``.
+
+    ``blocked_at=(step, group)`` injects a hang inside a collective (``--hang-inside-collective``):
+    at that step the first bucket is reduced over ``group``, which the peers never join, and the
+    hook waits for it, as a rank stuck in a mismatched collective does.
+    """
     hook, state = _HOOKS[name]()
+    if blocked_at is not None:
+        hook = _blocked_in_collective(hook, *blocked_at)
     return traced(hook), state
+
+
+def _blocked_in_collective(hook: Hook, step: int, group: Any) -> Hook:
+    calls = [0]
+
+    def blocking(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        current = calls[0]
+        if bucket.is_last():
+            calls[0] += 1
+        if current == step:
+            future = hook(group, bucket)
+            future.wait()  # never returns: the group's other member never launches this collective
+            return future
+        return hook(state, bucket)
+
+    return describe_hook(blocking, hook_name(hook), reports_collectives(hook))

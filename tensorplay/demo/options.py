@@ -17,10 +17,20 @@ __all__ = [
     "extra_batches",
     "DEFAULT_STEPS",
     "DEFAULT_STRAGGLER_DELAY_MS",
+    "DEFAULT_STALL_TIMEOUT_S",
+    "hang_step",
 ]
 
 DEFAULT_STEPS = 40
 DEFAULT_STRAGGLER_DELAY_MS = 40.0
+DEFAULT_STALL_TIMEOUT_S = 60.0
+_HOOKS_ON_A_PROCESS_GROUP = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+                             "fp16_compress_wrapper(allreduce_hook)", "bf16_compress_wrapper(allreduce_hook)")
+
+
+def hang_step(args: argparse.Namespace) -> int:
+    """The step at which ``--hang-rank`` stops: ``--hang-at-step``, else half of ``--steps``."""
+    return args.hang_at_step if args.hang_at_step is not None else args.steps // 2
 
 
 def extra_batches(steps: int) -> int:
@@ -41,6 +51,16 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"how long the straggler sleeps per step (default {DEFAULT_STRAGGLER_DELAY_MS:g})")
     parser.add_argument("--uneven", action="store_true",
                         help="uneven inputs: rank r trains S + r*max(1, S//4) batches, inside Join([ddp_model])")
+    parser.add_argument("--hang-rank", type=int, default=None, metavar="R",
+                        help="make rank R stop for good in its compute at step K, as a stuck data loader would")
+    parser.add_argument("--hang-at-step", type=int, default=None, metavar="K",
+                        help="the step at which --hang-rank stops (default: half of --steps)")
+    parser.add_argument("--hang-inside-collective", action="store_true",
+                        help="extra flag: --hang-rank blocks inside a traced collective its peers never join "
+                             "(every rank then waits in one: no rank to blame); default hooks only")
+    parser.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="T",
+                        help="when no rank made progress for T seconds, print a hang report, stop every rank "
+                             f"and exit 3 (default {DEFAULT_STALL_TIMEOUT_S:g})")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
                         help="rank serves /metrics on P + LOCAL_RANK (default $TENSORPLAY_METRICS_PORT, else 9400)")
     parser.add_argument("--metrics-addr", default=None, metavar="ADDR",
@@ -77,6 +97,25 @@ def job_problem(args: argparse.Namespace, world_size: int, local_world_size: int
                 f"{args.metrics_port + local_world_size - 1}, which must lie within 1..65535")
     if args.linger_s < 0:
         return f"--linger-s must be >= 0, got {args.linger_s:g}"
+    if args.stall_timeout_s <= 0:
+        return f"--stall-timeout-s must be > 0, got {args.stall_timeout_s:g}"
+    return _hang_problem(args, world_size)
+
+
+def _hang_problem(args: argparse.Namespace, world_size: int) -> str | None:
+    if args.hang_rank is None:
+        if args.hang_at_step is not None or args.hang_inside_collective:
+            return "--hang-at-step and --hang-inside-collective need --hang-rank"
+        return None
+    if world_size < 2:
+        return "--hang-rank needs peers to wait for it: use --world-size 2 or more"
+    if not 0 <= args.hang_rank < world_size:
+        return (f"--hang-rank {args.hang_rank} is not a rank of this job "
+                f"(--world-size {world_size} has ranks 0..{world_size - 1})")
+    if not 0 <= hang_step(args) < args.steps:
+        return f"--hang-at-step must lie within 0..{args.steps - 1} (the steps every rank trains), got {hang_step(args)}"
+    if args.hang_inside_collective and args.hook not in _HOOKS_ON_A_PROCESS_GROUP:
+        return f"--hang-inside-collective works with {', '.join(_HOOKS_ON_A_PROCESS_GROUP)}, not {args.hook}"
     return None
 
 
@@ -86,6 +125,8 @@ def job_argv(args: argparse.Namespace) -> list[str]:
             "--straggler-delay-ms", repr(args.straggler_delay_ms), "--linger-s", repr(args.linger_s)]
     optional = {
         "--straggler-rank": args.straggler_rank,
+        "--hang-rank": args.hang_rank,
+        "--hang-at-step": args.hang_at_step,
         "--metrics-port": args.metrics_port,
         "--metrics-addr": args.metrics_addr,
         "--otlp-endpoint": args.otlp_endpoint,
@@ -96,4 +137,6 @@ def job_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     if args.uneven:
         argv.append("--uneven")
+    if args.hang_inside_collective:
+        argv.append("--hang-inside-collective")
     return argv

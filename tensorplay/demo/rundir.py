@@ -2,6 +2,7 @@
 
 Each rank writes its own files, so no two processes ever append to the same one:
 ``progress-rank<r>.json`` (rewritten every step, polled by the launcher),
+``state-rank<r>.json`` (rewritten from the live telemetry by a thread, for the hang watch),
 ``result-rank<r>.json`` (once, at the end), ``spans-rank<r>.jsonl`` (the exported spans),
 and torch's elastic launcher puts each rank's stdout/stderr under ``logs/``.
 """
@@ -25,6 +26,10 @@ class RunDir:
     def progress(self, rank: int) -> Path:
         """Where rank ``rank`` reports how far it got."""
         return self.path / f"progress-rank{rank}.json"
+
+    def state(self, rank: int) -> Path:
+        """Where rank ``rank``'s collective state is kept current, even while it is blocked."""
+        return self.path / f"state-rank{rank}.json"
 
     def result(self, rank: int) -> Path:
         """Where rank ``rank`` leaves what it measured once training ended."""

@@ -18,7 +18,10 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,11 +30,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tensorplay.distributed.algorithms.join import Join
-from tensorplay.telemetry import TensorplayMetrics, configure_tracing, enable_metrics, flush, served_address
+from tensorplay.telemetry import (
+    TensorplayMetrics,
+    configure_tracing,
+    enable_metrics,
+    flush,
+    served_address,
+    wait_for_final_scrape,
+)
 from tensorplay.telemetry.names import Metric
 
+from .hang import RankStateWriter
 from .hooks import traced_hook
-from .options import add_job_arguments, extra_batches, job_problem
+from .options import add_job_arguments, extra_batches, hang_step, job_problem
 from .progress import ProgressWriter
 from .rundir import RunDir, write_json
 
@@ -100,6 +111,18 @@ def _configure_tracing(args: argparse.Namespace, run_dir: RunDir | None, rank: i
     return configure_tracing(endpoint=args.otlp_endpoint, otlp=otlp, span_file=span_file)
 
 
+def _blocked_collective(args: argparse.Namespace, rank: int, world_size: int) -> tuple[int, Any] | None:
+    """For ``--hang-inside-collective``: the step and the group the hang rank blocks in, on that rank.
+
+    Every rank creates the group (creating one is collective); only the hang rank reduces over it,
+    so its other member never arrives.
+    """
+    if args.hang_rank is None or not args.hang_inside_collective:
+        return None
+    group = dist.new_group(sorted({args.hang_rank, (args.hang_rank + 1) % world_size}))
+    return (hang_step(args), group) if rank == args.hang_rank else None
+
+
 def train(args: argparse.Namespace) -> None:
     """Run this rank's part of the job described by ``args``."""
     rank, local_rank, world_size = _env_int("RANK"), _env_int("LOCAL_RANK"), _env_int("WORLD_SIZE")
@@ -113,13 +136,15 @@ def train(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
-    hook, state = traced_hook(args.hook)
+    hook, state = traced_hook(args.hook, _blocked_collective(args, rank, world_size))
     model.register_comm_hook(state, hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     data = _SyntheticData(rank)
     batches = batch_count(rank, args.steps, args.uneven)
     delay_s = args.straggler_delay_ms / 1e3 if args.straggler_rank == rank else 0.0
     progress = ProgressWriter(run_dir, rank, batches, metrics_url) if run_dir is not None else None
+    live_state = RankStateWriter(run_dir, rank, metrics) if run_dir is not None else None
+    stuck_at = hang_step(args) if args.hang_rank == rank and not args.hang_inside_collective else None
     started = time.perf_counter()
     losses: list[float] = []
 
@@ -130,15 +155,21 @@ def train(args: argparse.Namespace) -> None:
             loss = nn.functional.mse_loss(model(inputs), targets)
             if delay_s:
                 time.sleep(delay_s)  # the injected straggler: slow compute between forward and backward
+            if step == stuck_at:
+                threading.Event().wait()  # the injected hang: stuck for good, as a data loader can be
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
             if progress is not None:
                 progress.step_done(step + 1, losses[-1])
+            if live_state is not None:
+                live_state.step_done(step + 1)
             if rank == 0 and run_dir is None and (step + 1) % max(1, batches // 10) == 0:
                 print(f"rank 0: step {step + 1}/{batches}  loss {losses[-1]:.4f}", flush=True)
 
     wall_s = time.perf_counter() - started
+    if live_state is not None:
+        live_state.finished()
     flush()
     if provider is not None:
         provider.force_flush()
@@ -157,6 +188,7 @@ def train(args: argparse.Namespace) -> None:
             "metrics_url": metrics_url,
             **_metrics_figures(metrics, rank),
         })
+    wait_for_final_scrape()  # if Prometheus scrapes this rank, it reads the final figures first
     time.sleep(args.linger_s)
     dist.destroy_process_group()
     if provider is not None:
