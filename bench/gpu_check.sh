@@ -21,8 +21,9 @@
 #   share the GPU's compute.
 # Benchmark models: NCCL, 8 x Linear(4096, 4096), batch 512 (512 MB of gradients in 25 MB buckets):
 # a step long enough (milliseconds of compute) that the hooks' and telemetry's host work can hide
-# behind the device. gloo, 4 x Linear(2048, 2048), batch 16384 (64 MB of gradients): the backward
-# compute of the two ranks and their communication take comparable time, so the overlap shows.
+# behind the device. gloo, 4 x Linear(2048, 2048), batch 16384 (64 MB of gradients): sized so that
+# the two ranks' backward compute and their communication should take comparable time (an estimate
+# made without a GPU; the benchmark's overlap table says how it came out).
 #
 # torch is used as installed (a GPU machine brings its CUDA build); only where it is missing is it
 # installed, as the package index's default build, never the CPU build CI pins. tensorplay and its
@@ -58,6 +59,7 @@ run_step() {  # run_step NAME SECONDS COMMAND...: run it within SECONDS, say how
         failed+=("$name")
         [ "$status" -ne 0 ] || status=$rc
     fi
+    return "$rc"
 }
 
 bench() {  # bench LIMIT ARGUMENTS...: one configuration of the hooks benchmark, into bench_cuda.json
@@ -80,7 +82,10 @@ main() {
         offline=(--no-index --find-links "$WHEELS")
         echo "installing from the wheels in $WHEELS, without an index"
     fi
-    run_step "install tensorplay" 90 "$PYTHON" -m pip install -q ${offline[@]+"${offline[@]}"} -e '.[test]'
+    if ! run_step "install tensorplay" 90 "$PYTHON" -m pip install -q ${offline[@]+"${offline[@]}"} -e '.[test]' &&
+        [ ${#offline[@]} -eq 0 ]; then
+        echo "no network here? fetch the wheels with bench/gpu_wheels.sh where PyPI is reachable, bring $WHEELS along"
+    fi
     run_step "environment" 45 "$PYTHON" bench/gpu_environment.py "$OUT/environment.json"
     if [ "$cuda" = True ]; then
         run_step "CUDA tests" 180 "$PYTHON" -m pytest tests/test_cuda_path.py -v -rs -p no:cacheprovider \
