@@ -1,7 +1,29 @@
-"""The CUDA path of traced hooks: timing from CUDA events, nothing synchronizes the device.
+"""The CUDA path: torch's gradients bit for bit, every span attribute, timing from CUDA events,
+no host-device synchronization on the training thread, and nothing that grows over a long run.
 
-Runs only where a GPU and NCCL are present; on CPU machines it is skipped with that reason.
+Runs where a GPU and NCCL are present; elsewhere every test is skipped with that reason. One GPU
+gives two configurations, each set up once for the tests that use it:
+
+* ``nccl``: this process as the one rank of an NCCL group. NCCL refuses two ranks on one device,
+  and at world size 1 it reduces nothing, so these tests cover what runs around the collectives:
+  the hooks' arithmetic on CUDA, the telemetry's events and device figures, synchronization and
+  memory.
+* ``gloo_cuda``: two spawned gloo ranks sharing cuda:0. gloo reduces CUDA tensors (through the
+  host), so communication is real: parity over two ranks, latency above zero.
+
+The CPU suite's own comparisons run here unchanged: :func:`_training_on_cuda` has
+tests/training.py build its model and batches on the GPU, so its ``train()`` runs there.
 """
+
+import collections
+import contextlib
+import functools
+import gc
+import os
+import threading
+import time
+import warnings
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -11,48 +33,422 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tensorplay import traced
 from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
+from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    batched_powerSGD_hook,
+    powerSGD_hook,
+)
 from tensorplay.telemetry import TensorplayMetrics, flush
 from tensorplay.telemetry.names import Attr
+from tensorplay.telemetry.resolver import resolver
 
-from .ranks import free_port
+from . import test_default_hooks as default_hook_cases
+from . import test_powersgd as powersgd_cases
+from . import test_traced as traced_cases
+from . import test_training_unharmed as unharmed_cases
+from . import training
+from .ranks import free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and dist.is_nccl_available()),
-    reason="needs a CUDA GPU and NCCL; the CPU path is covered by test_traced.py",
+    reason="needs a CUDA GPU and NCCL; the CPU path is covered by test_traced.py and test_powersgd.py",
 )
 
+SPAN_HOOKS = [*traced_cases.HOOKS, "user_hook"]
+SLEEP_CYCLES = 20_000_000
+"""Device clock cycles a hook keeps the GPU busy: at 3 GHz or less (any GPU's clock), 6.7 ms or more."""
+SLEEP_MS_AT_LEAST = 5.0
+EVENT_RESOLUTION_MS = 1e-3  # cudaEventElapsedTime resolves about half a microsecond
+SOAK_STEPS = 1200
+TELEMETRY_THREAD_PREFIX = "tensorplay-"  # the event watcher and the span ender
 
-def test_traced_hook_on_cuda_never_synchronizes_and_times_with_events() -> None:
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+@contextlib.contextmanager
+def _training_on_cuda() -> Iterator[None]:
+    """Have tests/training.py build its model and batches on cuda:0 (its ``train()`` then runs there)."""
+    make_model, rank_batch = training.make_model, training.rank_batch
+    training.make_model = lambda seed=0: make_model(seed).cuda()
+    training.rank_batch = lambda rank, step, batch=8: rank_batch(rank, step, batch).cuda()
     try:
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        metrics = TensorplayMetrics(CollectorRegistry())
-        torch.manual_seed(0)
-        model = DDP(nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).cuda(), bucket_cap_mb=4)
-        hook = default_hooks.fp16_compress_hook
-        model.register_comm_hook(None, traced(hook, error_every=1, metrics=metrics, tracer_provider=provider))
-        batch = torch.randn(32, 1024, device="cuda")
-        for _ in range(4):
-            loss = model(batch).square().mean()
-            torch.cuda.set_sync_debug_mode("error")  # any device synchronization on the hot path raises
-            try:
-                loss.backward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        assert flush(60)
-        spans = [dict(s.attributes) for s in exporter.get_finished_spans()]
-        assert spans and all(s[Attr.ALLREDUCE_LATENCY_MS] > 0 for s in spans)
-        assert all(0 < s[Attr.COMPRESSION_RELATIVE_ERROR] < 0.05 for s in spans)
-        assert all(s[Attr.COMPRESSION_NONFINITE] == 0 for s in spans)
-        assert metrics.registry.get_sample_value(
-            "tensorplay_step_compute_seconds_count", {"rank": "0"}
-        ) == 3
+        yield
+    finally:
+        training.make_model, training.rank_batch = make_model, rank_batch
+
+
+def _deterministic_cublas() -> None:
+    """Fix cuBLAS's workspace, so it picks the same algorithms on the streams that hook callbacks run on.
+
+    Must happen before the process's first matrix product (child ranks inherit it).
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+@pytest.fixture(scope="module")
+def nccl() -> Iterator[None]:
+    """This process as rank 0 of an NCCL group of one, on cuda:0."""
+    _deterministic_cublas()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, device_id=device
+    )
+    try:
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _tracer() -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def _fully_traced(hook: Callable) -> tuple[Callable, InMemorySpanExporter]:
+    """``hook`` traced with everything on (spans, metrics, the exact error at every step), and its spans."""
+    provider, exporter = _tracer()
+    metrics = TensorplayMetrics(CollectorRegistry())
+    return traced(hook, error_every=1, metrics=metrics, tracer_provider=provider), exporter
+
+
+# -- what a traced call measured: attributes, latency, span times ---------------------------------
+
+
+def _assert_attributes(result: dict, name: str, rank: int, world_size: int) -> None:
+    """Every contract attribute of every span of ``traced(name)`` is there with a plausible value."""
+    compression = traced_cases.HOOKS.get(name, (None, None))[1]
+    spans = result["spans"]
+    assert len(spans) == len(result["bucket_numels"]), "one span per bucket of every step"
+    assert sorted({span[Attr.STEP] for span in spans}) == [0, 1, 2]
+    for span in spans:
+        numel = result["bucket_numels"][(span[Attr.STEP], span[Attr.BUCKET_INDEX])]
+        assert (span[Attr.HOOK], span[Attr.RANK], span[Attr.WORLD_SIZE]) == (name, rank, world_size)
+        assert (span[Attr.BUCKET_NUMEL], span[Attr.BUCKET_BYTES], span[Attr.BUCKET_DTYPE]) == (numel, numel * 4, "float32")
+        assert span[Attr.COMPRESSION_NONFINITE] == 0
+        latency = span[Attr.ALLREDUCE_LATENCY_MS]
+        if name == "noop_hook":
+            assert (span[Attr.ALLREDUCE_COUNT], span[Attr.BUCKET_WIRE_BYTES], latency) == (0, 0, 0.0)
+            continue
+        assert span[Attr.ALLREDUCE_COUNT] == 1
+        assert span[Attr.BUCKET_WIRE_BYTES] == numel * (2 if compression else 4)
+        # At world size 1 NCCL has nothing to do: the interval may be below the timer's resolution.
+        assert (latency > 0 if world_size > 1 else latency >= 0) and latency < 10_000
+        if compression:
+            assert (span[Attr.COMPRESSION_DTYPE], span[Attr.BUCKET_NONFINITE]) == (compression, 0)
+        else:
+            assert Attr.COMPRESSION_DTYPE not in span and Attr.COMPRESSION_RELATIVE_ERROR not in span
+    # The figure from the device (float32) against a float64 computation from the bucket's copy.
+    assert len(result["errors"]) == (len(spans) if compression else 0)
+    for measured, expected in result["errors"]:
+        assert measured == pytest.approx(expected, rel=1e-4) and 0 < measured < 0.05
+
+
+def _sleep_then_reduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A user's hook that keeps the GPU busy before it reduces: its latency can only be device time."""
+    torch.cuda._sleep(SLEEP_CYCLES)
+    return traced_cases.user_hook(state, bucket)
+
+
+def _span_timings(rank: int, hook: Callable, steps: int = 2) -> list[tuple[float, float]]:
+    """(latency ms, span duration ms) of every span of ``traced(hook)`` over a short training."""
+    provider, exporter = _tracer()
+    with _training_on_cuda():
+        training.train(rank, traced(hook, tracer_provider=provider), steps=steps)
+    assert flush(60), "records still pending"
+    spans = exporter.get_finished_spans()
+    assert spans
+    return [(span.attributes[Attr.ALLREDUCE_LATENCY_MS], (span.end_time - span.start_time) / 1e6) for span in spans]
+
+
+def _assert_within_spans(timings: list[tuple[float, float]]) -> None:
+    for latency, duration in timings:
+        assert duration >= latency - EVENT_RESOLUTION_MS, (latency, duration)
+
+
+# -- NCCL, world size 1, in this process -----------------------------------------------------------
+
+
+def test_default_hooks_equal_torch_bit_for_bit_on_cuda(nccl: None) -> None:
+    with _training_on_cuda():
+        report = default_hook_cases._compare_with_torch(0, 1)
+    assert report.pop("buckets") >= 3, "the model must span several buckets"
+    assert not [name for name, equal in report.items() if not equal], report
+
+
+def test_powersgd_hooks_equal_torch_bit_for_bit_on_cuda(nccl: None) -> None:
+    layer_hooks = (powerSGD_hook, torch_powersgd.powerSGD_hook)
+    batched_hooks = (batched_powerSGD_hook, torch_powersgd.batched_powerSGD_hook)
+    with _training_on_cuda():
+        report = powersgd_cases._compare_with_torch(0, 1, False)
+        for wrapper in ("fp16 wrapper", "bf16 wrapper"):
+            case = powersgd_cases.LAYER_CASES[wrapper]
+            report[f"powerSGD_hook: {wrapper}"] = powersgd_cases._compare_case(0, layer_hooks, case, jitter=False)
+        with powersgd_cases._batched_orthogonalization():
+            case = powersgd_cases.BATCHED_CASES["fp16 wrapper"]
+            report["batched_powerSGD_hook: fp16 wrapper"] = powersgd_cases._compare_case(0, batched_hooks, case, jitter=False)
+    assert report.pop("buckets") >= 3, "the model must span several buckets"
+    assert not [name for name, equal in report.items() if not equal], report
+
+
+@pytest.fixture(scope="module")
+def nccl_spans(nccl: None) -> dict:
+    with _training_on_cuda():
+        return traced_cases._spans_and_metrics(0, 1)
+
+
+@pytest.mark.parametrize("name", SPAN_HOOKS)
+def test_every_attribute_and_metric_on_cuda(nccl_spans: dict, name: str) -> None:
+    _assert_attributes(nccl_spans[name], name, rank=0, world_size=1)
+    traced_cases.test_traced_gradients_equal_untraced([nccl_spans], name)
+    traced_cases.test_metrics_agree_with_spans([nccl_spans], name)
+
+
+def test_latency_and_span_end_come_from_device_events(nccl: None) -> None:
+    # NCCL's futures complete when the collective is enqueued: the host clock would give a few
+    # microseconds, not the time the GPU spent sleeping inside the hook.
+    slept = _span_timings(0, _sleep_then_reduce)
+    assert all(latency >= SLEEP_MS_AT_LEAST for latency, _ in slept), slept
+    _assert_within_spans(slept)
+    reduced = _span_timings(0, default_hooks.fp16_compress_hook)
+    assert all(latency >= 0 for latency, _ in reduced), reduced
+    _assert_within_spans(reduced)
+
+
+def test_fp16_overflow_is_counted_on_cuda(nccl: None) -> None:
+    with _training_on_cuda():
+        outcome = traced_cases._overflow(0, 1)
+    total = sum(outcome["expected"].values())
+    assert total > 1000, "the test must actually overflow"
+    assert outcome["span"] == outcome["expected"]
+    assert outcome["metric"] == total
+
+
+def test_traced_powersgd_figure_is_its_residual_on_cuda(nccl: None) -> None:
+    with _training_on_cuda():
+        outcome = traced_cases._traced_powersgd(0, 1)
+    assert outcome["equal"], "tracing changed PowerSGD's gradients"
+    compressed = [span for span in outcome["spans"] if span[Attr.STEP] >= 2]
+    assert compressed
+    for span in compressed:
+        expected = outcome["expected"][(span[Attr.STEP], span[Attr.BUCKET_INDEX])]
+        assert span[Attr.COMPRESSION_DTYPE] == "powersgd"
+        assert span[Attr.COMPRESSION_RELATIVE_ERROR] == pytest.approx(expected, rel=1e-4)
+
+
+# -- synchronization --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _counting_syncs() -> Iterator[collections.Counter]:
+    """Count host-device synchronizations by who made them: "training" threads or "tensorplay"'s own.
+
+    Two sources, since neither sees every kind. torch's sync debug mode ("warn") reports implicit
+    ones (``.item()``, blocking copies, ``Stream.synchronize``) as warnings from the thread that
+    made them; it does not report ``torch.cuda.synchronize`` or ``Event.synchronize``, which are
+    counted by wrapping them. Mode "error" would be process-wide: it would fail the event
+    watcher's reads of figures whose events have completed, which wait for nothing.
+    """
+    counts: collections.Counter = collections.Counter()
+
+    def note() -> None:
+        thread = threading.current_thread().name
+        counts["tensorplay" if thread.startswith(TELEMETRY_THREAD_PREFIX) else "training"] += 1
+
+    def counted(synchronize: Callable) -> Callable:
+        @functools.wraps(synchronize)
+        def counting_synchronize(*args: Any, **kwargs: Any) -> Any:
+            note()
+            return synchronize(*args, **kwargs)
+
+        return counting_synchronize
+
+    def show(message: Any, *args: Any, **kwargs: Any) -> None:
+        if "synchronizing CUDA operation" in str(message):
+            note()
+
+    device_synchronize, event_synchronize = torch.cuda.synchronize, torch.cuda.Event.synchronize
+    with warnings.catch_warnings():  # restores showwarning and the filters
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.synchronize = counted(device_synchronize)
+        torch.cuda.Event.synchronize = counted(event_synchronize)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counts
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize, torch.cuda.Event.synchronize = device_synchronize, event_synchronize
+
+
+def _syncs_in_backward(hook: Callable, state: Any = None, steps: int = 5) -> collections.Counter:
+    """Train the test model on cuda:0 under ``hook``; count the synchronizations made inside backward."""
+    with _training_on_cuda():
+        model = DDP(training.make_model(), bucket_cap_mb=training.BUCKET_CAP_MB)
+        batches = [training.rank_batch(0, step) for step in range(steps)]
+    model.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    total: collections.Counter = collections.Counter()
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = model(batch).square().mean()
+        with _counting_syncs() as syncs:
+            loss.backward()
+        total.update(syncs)
+    torch.cuda.synchronize()
+    assert flush(60), "records still pending"
+    return total
+
+
+def test_sync_counting_sees_every_kind_of_synchronization(nccl: None) -> None:
+    on_device = torch.ones(1, device="cuda")
+    event = torch.cuda.Event()
+    event.record()
+    kinds: list[Callable[[], Any]] = [
+        on_device.item,
+        lambda: on_device.cpu(),
+        torch.cuda.synchronize,
+        lambda: torch.cuda.current_stream().synchronize(),
+        lambda: event.synchronize(),
+    ]
+    for kind in kinds:
+        with _counting_syncs() as syncs:
+            kind()
+        assert syncs["training"] >= 1 and syncs["tensorplay"] == 0, kind
+
+
+@pytest.mark.parametrize("name", [name for name in traced_cases.HOOKS if name != "noop_hook"])
+def test_traced_default_hooks_never_synchronize_the_training_thread(nccl: None, name: str) -> None:
+    hook = traced_cases.HOOKS[name][0]
+    traced_hook, exporter = _fully_traced(hook)
+    traced_syncs = _syncs_in_backward(traced_hook)
+    untraced_syncs = _syncs_in_backward(hook)
+    assert exporter.get_finished_spans(), "nothing was traced: the count proves nothing"
+    counts = f"traced: {dict(traced_syncs)}, untraced: {dict(untraced_syncs)}"
+    assert traced_syncs["training"] == untraced_syncs["training"], f"the telemetry synchronized ({counts})"
+    assert traced_syncs["training"] == 0, f"DDP or the hook synchronized by itself ({counts})"
+
+
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook], ids=["powerSGD_hook", "batched_powerSGD_hook"])
+def test_traced_powersgd_adds_no_synchronization(nccl: None, hook: Callable) -> None:
+    # The hook synchronizes by itself (as torch's does, once a bucket is decompressed, and when it
+    # copies random Qs from the host): tracing must add nothing to that.
+    def state() -> PowerSGDState:
+        return PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+
+    traced_hook, exporter = _fully_traced(hook)
+    untraced_syncs = _syncs_in_backward(hook, state())
+    traced_syncs = _syncs_in_backward(traced_hook, state())
+    assert exporter.get_finished_spans(), "nothing was traced: the count proves nothing"
+    assert untraced_syncs["training"] > 0, "the hook's own synchronizations went unseen: the count proves nothing"
+    assert traced_syncs["training"] == untraced_syncs["training"], (dict(traced_syncs), dict(untraced_syncs))
+
+
+# -- memory over a long run -----------------------------------------------------------------------
+
+
+def _settled_footprint() -> dict[str, int]:
+    """Once the device, the telemetry and NCCL caught up: objects, live records, device bytes."""
+    torch.cuda.synchronize()
+    assert flush(60), "records still pending"
+    watcher = resolver()._watcher
+    deadline = time.monotonic() + 30
+    while watcher.waiting() and time.monotonic() < deadline:  # the in-flight gauge's last completions
+        time.sleep(0.01)
+    gc.collect()
+    # NCCL's watchdog keeps each completed collective's tensors until its next sweep.
+    device_bytes, previous = torch.cuda.memory_allocated(), -1
+    while device_bytes != previous and time.monotonic() < deadline:
+        time.sleep(0.3)
+        device_bytes, previous = torch.cuda.memory_allocated(), device_bytes
+    return {
+        "objects": len(gc.get_objects()),
+        "records": unharmed_cases._live_records(),
+        "device bytes": device_bytes,
+        "watcher waiting": watcher.waiting(),
+    }
+
+
+def test_a_long_run_keeps_records_events_and_device_memory_flat(nccl: None) -> None:
+    exporter = unharmed_cases._Counting()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = TensorplayMetrics(CollectorRegistry())
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(32, 32).cuda())  # one bucket per step
+    hook = traced(default_hooks.fp16_compress_hook, error_every=1, metrics=metrics, tracer_provider=provider)
+    model.register_comm_hook(None, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = torch.randn(4, 32, device="cuda")
+    in_flight, footprints = [], {}
+    for step in range(1, SOAK_STEPS + 1):
+        optimizer.zero_grad()
+        model(batch).square().mean().backward()
+        optimizer.step()
+        if step % 100 == 0:
+            in_flight.append((resolver().pending(), resolver()._watcher.waiting()))
+        if step in (300, SOAK_STEPS):
+            footprints[step] = _settled_footprint()
+    early, late = footprints[300], footprints[SOAK_STEPS]
+    # Bounded by how far the host runs ahead of the device, never one per step (1,200).
+    assert max(max(pending, waiting) for pending, waiting in in_flight) <= 64, in_flight
+    assert late["watcher waiting"] == 0, late
+    assert late["records"] <= early["records"] <= 4, footprints
+    assert late["objects"] - early["objects"] < 500, footprints
+    # Each record's figures are 0-dim device tensors (512 bytes each in the caching allocator):
+    # a record kept per step would add over 1 MB here.
+    assert late["device bytes"] <= early["device bytes"] + 64 * 1024, footprints
+    assert exporter.exported == SOAK_STEPS
+    assert metrics.collectives_in_flight.in_flight("0") == 0
+
+
+# -- gloo, world size 2, two ranks sharing cuda:0 ----------------------------------------------------
+
+
+def _on_two_ranks_sharing_one_gpu(rank: int, world_size: int) -> dict:
+    torch.cuda.set_device(0)
+    with _training_on_cuda():
+        outcome = {
+            "default hooks": default_hook_cases._compare_with_torch(rank, world_size),
+            "powersgd": powersgd_cases._compare_with_torch(rank, world_size, False),
+            "spans": traced_cases._spans_and_metrics(rank, world_size),
+        }
+    outcome["timings"] = [
+        *_span_timings(rank, default_hooks.allreduce_hook),
+        *_span_timings(rank, default_hooks.fp16_compress_hook),
+    ]
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def gloo_cuda() -> list[dict]:
+    _deterministic_cublas()
+    return run_ranks(_on_two_ranks_sharing_one_gpu, 2, timeout=300)
+
+
+@pytest.mark.parametrize("comparison", ["default hooks", "powersgd"])
+def test_hooks_equal_torch_bit_for_bit_over_gloo_on_cuda(gloo_cuda: list[dict], comparison: str) -> None:
+    for rank, outcome in enumerate(gloo_cuda):
+        report = dict(outcome[comparison])
+        assert report.pop("buckets") >= 3, f"rank {rank}: the model must span several buckets"
+        assert not [name for name, equal in report.items() if not equal], f"rank {rank}: {report}"
+
+
+@pytest.mark.parametrize("name", SPAN_HOOKS)
+def test_every_attribute_and_metric_over_gloo_on_cuda(gloo_cuda: list[dict], name: str) -> None:
+    spans = [outcome["spans"] for outcome in gloo_cuda]
+    for rank, outcome in enumerate(spans):
+        _assert_attributes(outcome[name], name, rank=rank, world_size=2)
+    traced_cases.test_traced_gradients_equal_untraced(spans, name)
+    traced_cases.test_metrics_agree_with_spans(spans, name)
+
+
+def test_latency_of_real_communication_is_positive_and_within_its_span(gloo_cuda: list[dict]) -> None:
+    for outcome in gloo_cuda:
+        assert outcome["timings"] and all(latency > 0 for latency, _ in outcome["timings"]), outcome["timings"]
+        _assert_within_spans(outcome["timings"])
