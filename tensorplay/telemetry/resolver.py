@@ -114,7 +114,9 @@ class Resolver:
             _logger.warning("tensorplay: could not finish a hook record; training goes on", exc_info=True)
             _count(record, "resolver")
             job.incomplete = "tensorplay could not finish this record"
-        if self._ender.submit(job) and wait:
+        if not record.span.is_recording:  # no SDK records it: nothing to end, no thread to wait for
+            self._done()
+        elif self._ender.submit(job) and wait:
             self._ender.wait_briefly(job)
 
     def _done(self) -> None:
