@@ -210,7 +210,7 @@ def compression_figure(run: Run) -> Figure | None:
         count_axes.text(0.5, 0.5, "no non-finite element in any bucket", transform=count_axes.transAxes,
                         ha="center", va="center", fontsize="small")
     count_axes.set_ylabel("non-finite")
-    count_axes.set_ylim(bottom=0)
+    count_axes.set_ylim(0, max(1, int(nonfinite.max())) * 1.15)
     count_axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     count_axes.set_xlabel("step")
     count_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
