@@ -118,7 +118,8 @@ def test_uneven_inputs_marked_and_no_straggler(three_ranks_uneven: Demo) -> None
     for rank in range(3):  # each rank's time line ends when all had joined
         training = _artist(report.figures["join"], f"training-rank{rank}")
         joined = _artist(report.figures["join"], f"join-rank{rank}")
-        assert training.get_width() > 0 and joined.get_x() == pytest.approx(training.get_width())
+        assert 0 < joined.get_x() < training.get_width()  # ran out of inputs after its own steps
+        assert joined.get_x() + joined.get_width() == pytest.approx(training.get_width())  # then waited, to the end
     ends = [_artist(report.figures["join"], f"join-rank{rank}") for rank in range(3)]
     assert max(e.get_x() + e.get_width() for e in ends) - min(e.get_x() + e.get_width() for e in ends) < 0.5
 
@@ -131,8 +132,8 @@ def test_fp16_error_at_sampled_steps_and_half_the_bytes(two_ranks: Demo) -> None
     assert list(error.get_xdata()) == list(range(0, 12, DEFAULT_ERROR_EVERY))
     # fp16 rounds twice (cast, then divide): at most 2 x 2^-11 relative error, and never exact.
     assert all(0 < value <= 2**-10 for value in error.get_ydata())
-    nonfinite = _artists(report.figures["compression"], "nonfinite")
-    assert len(nonfinite) == 12 and all(bar.get_height() == 0 for bar in nonfinite)
+    counts, edges, _ = _artist(report.figures["compression"], "nonfinite").get_data()
+    assert len(counts) == 12 and not counts.any()
     handed = _artist(report.figures["bytes"], "bytes-handed").get_width()
     wire = _artist(report.figures["bytes"], "bytes-wire").get_width()
     assert wire == handed / 2

@@ -86,6 +86,13 @@ class Run:
         """[rank] mean compute per observed step (NaN if none was observed)."""
         return _quiet(np.nanmean, self.compute_ms, axis=1)
 
+    def compute_ms_band(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[step] 10th percentile, median and 90th percentile of compute over all ranks."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # steps no rank observed (the first)
+            low, median, high = np.nanpercentile(self.compute_ms, [10, 50, 90], axis=0)
+        return low, median, high
+
     def latency_ms_p50(self) -> np.ndarray:
         """[rank] median latency per bucket over the steps every rank trained."""
         common = self.latency_ms[:, self.trained_by_all, :]
@@ -146,8 +153,8 @@ def aggregate(spans: Spans) -> Run:
 
     latency = np.full((len(ranks), steps, buckets), np.nan)
     latency[row, hooks.step, hooks.bucket] = hooks.latency_ms
-    cells = (row * steps + hooks.step) * buckets + hooks.bucket
-    duplicates = len(cells) - len(np.unique(cells))
+    cells = np.sort((row * steps + hooks.step) * buckets + hooks.bucket)
+    duplicates = int(np.count_nonzero(cells[1:] == cells[:-1]))
 
     first_call = np.full((len(ranks), steps), np.inf)
     np.minimum.at(first_call, (row, hooks.step), hooks.start_s)

@@ -18,8 +18,8 @@ from .verdict import run_verdict
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["Report", "ReportUnavailable", "INSTALL_HINT", "build_report", "render_html", "write_report",
-           "default_output"]
+__all__ = ["Report", "ReportUnavailable", "INSTALL_HINT", "build_report", "report_from_spans", "render_html",
+           "write_report", "default_output"]
 
 INSTALL_HINT = "pip install 'tensorplay[report]'"
 REPORT_FILE = "report.html"
@@ -65,10 +65,15 @@ def build_report(source: Path) -> Report:
     """Read the spans under ``source`` (a run directory or a span file) and draw every figure.
 
     Raises :class:`~tensorplay.report.spans.NoSpans` if there is nothing to draw and
-    :class:`ReportUnavailable` without matplotlib.
+    :class:`ReportUnavailable` without matplotlib (before reading anything).
     """
+    _plots()
+    return report_from_spans(source, read_spans(source))
+
+
+def report_from_spans(source: Path, spans: Spans) -> Report:
+    """Aggregate ``spans`` (read from ``source``), judge the run and draw every figure."""
     plots = _plots()
-    spans = read_spans(source)
     run = aggregate(spans)
     verdict = run_verdict(run)
     figures = {

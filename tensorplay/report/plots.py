@@ -28,6 +28,7 @@ __all__ = ["TOP_K", "HEATMAP_RANKS", "HEATMAP_STEPS", "compute_figure", "latency
 TOP_K = 8
 HEATMAP_RANKS = 64
 HEATMAP_STEPS = 1000
+_LABELLED_ROWS = 16  # bars carry their figure as text up to this many ranks
 _WIDTH_IN = 11.0
 _DPI = 100
 _STRAGGLER_COLOR = "#d62728"
@@ -75,7 +76,7 @@ def compute_figure(run: Run, verdict: Verdict) -> Figure | None:
         axes, strip = figure.subplots(), None
     steps = np.arange(run.steps)
     if len(rows) < len(run.ranks):
-        low, median, high = np.nanpercentile(run.compute_ms, [10, 50, 90], axis=0)
+        low, median, high = run.compute_ms_band()
         axes.fill_between(steps, low, high, color="0.85", label=f"all {len(run.ranks)} ranks, 10-90%")
         axes.plot(steps, median, color="0.4", linestyle="--", linewidth=1, label="median of all ranks")
     for row in rows:
@@ -193,19 +194,18 @@ def compression_figure(run: Run) -> Figure | None:
                           label="min-max over ranks and buckets")
         error_axes.plot(errors.steps, errors.median, marker="o", markersize=3, color="C0", label="median",
                         gid="relative-error")
-        positive = errors.low[errors.low > 0]
-        if len(positive):
+        if (errors.low > 0).all():  # an exact bucket (error 0) would fall off a log scale
             error_axes.set_yscale("log")
         error_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
     else:
         error_axes.text(0.5, 0.5, "no sampled step", transform=error_axes.transAxes, ha="center", va="center")
     error_axes.set_ylabel("||x - x^|| / ||x||")
     error_axes.grid(alpha=0.3)
-    steps = np.arange(run.steps)
-    count_axes.bar(steps, run.nonfinite, width=1.0, color="C3", label="made non-finite by compression",
-                   gid="nonfinite")
-    count_axes.bar(steps, run.bucket_nonfinite, width=1.0, bottom=run.nonfinite, color="C1",
-                   label="non-finite on arrival", gid="bucket-nonfinite")
+    edges = np.arange(run.steps + 1) - 0.5
+    count_axes.stairs(run.nonfinite, edges, fill=True, color="C3", label="made non-finite by compression",
+                      gid="nonfinite")
+    count_axes.stairs(run.nonfinite + run.bucket_nonfinite, edges, baseline=run.nonfinite, fill=True, color="C1",
+                      label="non-finite on arrival", gid="bucket-nonfinite")
     if not nonfinite.any():
         count_axes.text(0.5, 0.5, "no non-finite element in any bucket", transform=count_axes.transAxes,
                         ha="center", va="center", fontsize="small")
@@ -230,22 +230,31 @@ def join_figure(run: Run) -> Figure | None:
     position = {rank: i for i, rank in enumerate(ranks[rows].tolist())}
     figure = Figure(figsize=(_WIDTH_IN, min(1.6 + 0.3 * len(rows), 7.5)), layout="constrained")
     time_axes, shadow_axes = figure.subplots(1, 2, sharey=True, width_ratios=[3, 1])
-    for join in run.joins:
-        if join.rank not in shown:
-            continue
-        y, joined = position[join.rank], join.start_s - run.start_s
-        time_axes.barh(y, joined, color="C0", height=0.6, gid=f"training-rank{join.rank}")
-        time_axes.barh(y, join.end_s - join.start_s, left=joined, color="C1", height=0.6,
-                       gid=f"join-rank{join.rank}")
-        time_axes.text(join.end_s - run.start_s, y, f" wait {join.wait_ms:.0f} ms", va="center", fontsize="small")
+    joins = [join for join in run.joins if join.rank in shown]
+    timeline_end_s: dict[int, float] = {}
+    waits_ms: dict[int, float] = {}
+    for join in joins:
+        timeline_end_s[join.rank] = max(timeline_end_s.get(join.rank, 0.0), join.end_s - run.start_s)
+        waits_ms[join.rank] = waits_ms.get(join.rank, 0.0) + join.wait_ms
+    timelines = time_axes.barh([position[rank] for rank in timeline_end_s], list(timeline_end_s.values()),
+                               color="C0", height=0.6)
+    for patch, rank in zip(timelines.patches, timeline_end_s):
+        patch.set_gid(f"training-rank{rank}")
+    joined = time_axes.barh([position[join.rank] for join in joins], [join.end_s - join.start_s for join in joins],
+                            left=[join.start_s - run.start_s for join in joins], color="C1", height=0.6)
+    for patch, join in zip(joined.patches, joins):
+        patch.set_gid(f"join-rank{join.rank}")
     time_axes.set_yticks(range(len(rows)), [f"rank {rank}" for rank in ranks[rows]], fontsize="small")
     time_axes.invert_yaxis()
     time_axes.set_xlabel("seconds since the first span (blue: own inputs, orange: joined, shadowing)")
     time_axes.margins(x=0.15)
     counts = [shadow_by_rank[rank] for rank in ranks[rows].tolist()]
     shadow_axes.barh(range(len(rows)), counts, color="C1", height=0.6, gid="shadow-iterations")
-    for y, count in enumerate(counts):
-        shadow_axes.text(count, y, f" {count}", va="center", fontsize="small")
+    if len(rows) <= _LABELLED_ROWS:
+        for rank, end_s in timeline_end_s.items():
+            time_axes.text(end_s, position[rank], f" wait {waits_ms[rank]:.0f} ms", va="center", fontsize="small")
+        for y, count in enumerate(counts):
+            shadow_axes.text(count, y, f" {count}", va="center", fontsize="small")
     shadow_axes.set_xlabel("iterations shadowed")
     shadow_axes.margins(x=0.25)
     return figure
