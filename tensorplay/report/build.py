@@ -86,22 +86,29 @@ def report_from_spans(source: Path, spans: Spans) -> Report:
     return Report(source, spans, run, verdict, figures)
 
 
-def _captions(report: Report, top_k: int) -> list[tuple[str, str, str, str]]:
+def _subset(ranks: int, shown: int, which: str) -> str:
+    """A caption's note that only some ranks are drawn, or nothing when all are."""
+    return f" ({shown} of {ranks} ranks: {which})" if ranks > shown else ""
+
+
+def _captions(report: Report, plots) -> list[tuple[str, str, str, str]]:
     """(key, title, how to read it, note when not drawn) of each section, in page order."""
     run = report.run
-    many = len(run.ranks) > top_k
+    ranks = len(run.ranks)
     hooks = ", ".join(hook.hook for hook in run.hook_bytes) or "none"
     return [
         ("compute", "Compute time per step, per rank",
          "Each line is a rank's own work before a step (end of its previous step's last collective to its next "
          "hook call, as tensorplay_step_compute_seconds): the straggler's line runs above the others"
-         + (f"; the {top_k} ranks with the highest mean are drawn over all ranks' median and 10-90% band" if many
-            else "") + ". Squares below mark steps a rank shadowed inside Join, which are not its compute.",
+         + (f"; the {plots.TOP_K} ranks with the highest mean are drawn over all ranks' median and 10-90% band, "
+            f"and the strip shows the {plots.TOP_K} that shadowed most" if ranks > plots.TOP_K else "")
+         + ". Squares below mark steps a rank shadowed inside Join, which are not its compute.",
          "No compute time: a rank needs spans of two consecutive steps it trained itself."),
         ("latency", "Allreduce latency, ranks x steps and ranks x buckets",
          "Dark is short, bright is long. The rank everyone waits for arrives last and waits least, so a dark row is "
          "a straggler; a bright column is a step slow for all; on the right, a bucket that is bright on every row "
-         "is always the slow one. Grey: no span.",
+         "is always the slow one. Grey: no span"
+         + _subset(ranks, plots.HEATMAP_RANKS, "the highest mean compute") + ".",
          "No hook spans, so no latency."),
         ("bytes", "Wire bytes vs bytes handed over, per hook",
          "Grey is what DDP handed the hook, blue what it sent into collectives (every call, shadowed ones "
@@ -114,7 +121,8 @@ def _captions(report: Report, top_k: int) -> list[tuple[str, str, str, str]]:
          f"Nothing to show: no sampled compression error and no non-finite element (hooks: {hooks})."),
         ("join", "Join: uneven inputs",
          "Per rank, blue until it ran out of inputs, orange while it shadowed its peers' collectives until all had "
-         "joined (its wait); on the right, the iterations it shadowed. Uneven inputs, not stragglers.",
+         "joined (its wait); on the right, the iterations it shadowed. Uneven inputs, not stragglers"
+         + _subset(ranks, plots.JOIN_RANKS, "those that shadowed most") + ".",
          "No Join in this run (a rank that trains inside Join([ddp_model]) and runs out of inputs writes a "
          "tensorplay.join span)."),
     ]
@@ -130,7 +138,7 @@ def render_html(report: Report) -> str:
     plots = _plots()
     sections = [Section(key, title, caption, None if report.figures[key] is None
                         else _picture(report.figures[key], plots), note)
-                for key, title, caption, note in _captions(report, plots.TOP_K)]
+                for key, title, caption, note in _captions(report, plots)]
     run = report.run
     files = report.spans.files
     run_line = (f"{report.source} · {len(run.ranks)} ranks · {run.steps} steps · "

@@ -4,7 +4,8 @@ Each function returns a :class:`matplotlib.figure.Figure` (or None when the run 
 show there); artists that carry a rank's data have a ``gid`` naming it, so tests can read what
 was drawn. Figures stay readable and small at any scale: lines for at most ``TOP_K`` ranks (the
 highest mean compute) beside the median and 10-90% band of all ranks, heatmaps of at most
-``HEATMAP_RANKS`` rows and ``HEATMAP_STEPS`` columns (steps averaged in bins beyond that).
+``HEATMAP_RANKS`` rows and ``HEATMAP_STEPS`` columns (steps averaged in bins beyond that), the
+``JOIN_RANKS`` ranks that shadowed most in the Join panel.
 matplotlib's object API is used without pyplot: no global state, no display needed.
 """
 
@@ -22,13 +23,13 @@ from tensorplay.demo.report import Verdict
 
 from .aggregate import Run
 
-__all__ = ["TOP_K", "HEATMAP_RANKS", "HEATMAP_STEPS", "compute_figure", "latency_figure", "bytes_figure",
+__all__ = ["TOP_K", "HEATMAP_RANKS", "HEATMAP_STEPS", "JOIN_RANKS", "compute_figure", "latency_figure", "bytes_figure",
            "compression_figure", "join_figure", "png"]
 
 TOP_K = 8
 HEATMAP_RANKS = 64
 HEATMAP_STEPS = 1000
-_LABELLED_ROWS = 16  # bars carry their figure as text up to this many ranks
+JOIN_RANKS = 16
 _WIDTH_IN = 11.0
 _DPI = 100
 _STRAGGLER_COLOR = "#d62728"
@@ -62,15 +63,24 @@ def _rank_label(run: Run, row: int, verdict: Verdict) -> str:
     return f"rank {rank} (straggler)" if rank == verdict.rank else f"rank {rank}"
 
 
+def _shadow_rows(run: Run) -> np.ndarray:
+    """Rows of the shadowed-steps strip: every rank if few, else the top k that shadowed most."""
+    counts = run.shadowed.sum(axis=1)
+    if not counts.any():
+        return np.arange(0)
+    rows = _top_rows(counts.astype(float), TOP_K)
+    return rows if len(run.ranks) <= TOP_K else rows[counts[rows] > 0]
+
+
 def compute_figure(run: Run, verdict: Verdict) -> Figure | None:
     """Compute time before each step, one line per rank; shadowed steps in a strip below."""
     if not np.isfinite(run.compute_ms).any():
         return None
     rows = _top_rows(run.compute_ms_mean(), TOP_K)
     colors = _rank_colors(run, rows, verdict)
-    any_shadowed = bool(run.shadowed[rows].any())
-    figure = Figure(figsize=(_WIDTH_IN, 4.4 if any_shadowed else 3.6), layout="constrained")
-    if any_shadowed:
+    strip_rows = _shadow_rows(run)
+    figure = Figure(figsize=(_WIDTH_IN, 4.4 if len(strip_rows) else 3.6), layout="constrained")
+    if len(strip_rows):
         axes, strip = figure.subplots(2, 1, sharex=True, height_ratios=[4, 1])
     else:
         axes, strip = figure.subplots(), None
@@ -87,19 +97,19 @@ def compute_figure(run: Run, verdict: Verdict) -> Figure | None:
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
-    if strip is not None:
-        for position, row in enumerate(rows):
-            marked = steps[run.shadowed[row]]
-            strip.scatter(marked, np.full(len(marked), position), marker="s", s=14, color=colors[int(row)],
-                          gid=f"shadowed-rank{run.ranks[row]}")
-        strip.set_yticks(range(len(rows)), [f"rank {run.ranks[row]}" for row in rows], fontsize="x-small")
-        strip.set_ylim(-0.7, len(rows) - 0.3)
-        strip.invert_yaxis()
-        strip.set_title("shadowed inside Join (out of inputs: no compute)", fontsize="small", loc="left")
-        strip.grid(axis="x", alpha=0.3)
-        strip.set_xlabel("step")
-    else:
+    if strip is None:
         axes.set_xlabel("step")
+        return figure
+    for position, row in enumerate(strip_rows):
+        marked = steps[run.shadowed[row]]
+        strip.scatter(marked, np.full(len(marked), position), marker="s", s=14, color=colors.get(int(row), "0.45"),
+                      gid=f"shadowed-rank{run.ranks[row]}")
+    strip.set_yticks(range(len(strip_rows)), [f"rank {run.ranks[row]}" for row in strip_rows], fontsize="x-small")
+    strip.set_ylim(-0.7, len(strip_rows) - 0.3)
+    strip.invert_yaxis()
+    strip.set_title("shadowed inside Join (out of inputs: no compute)", fontsize="small", loc="left")
+    strip.grid(axis="x", alpha=0.3)
+    strip.set_xlabel("step")
     return figure
 
 
@@ -137,9 +147,10 @@ def latency_figure(run: Run, verdict: Verdict) -> Figure | None:
     steps_axes, bucket_axes = figure.subplots(1, 2, sharey=True, width_ratios=[5, 1])
     image = _heatmap(steps_axes, _binned_steps(by_step, HEATMAP_STEPS), run.steps, norm, "latency-by-step")
     _heatmap(bucket_axes, by_bucket, by_bucket.shape[1], norm, "latency-by-bucket")
-    labels = [f"{run.ranks[row]}{' (straggler)' if run.ranks[row] == verdict.rank else ''}" for row in rows]
     every = max(1, len(rows) // 32)
-    steps_axes.set_yticks(np.arange(0, len(rows), every) + 0.5, labels[::every], fontsize="x-small")
+    ticked = [i for i, row in enumerate(rows) if i % every == 0 or run.ranks[row] == verdict.rank]
+    labels = [f"{run.ranks[rows[i]]}{' (straggler)' if run.ranks[rows[i]] == verdict.rank else ''}" for i in ticked]
+    steps_axes.set_yticks(np.array(ticked) + 0.5, labels, fontsize="x-small")
     steps_axes.set_ylabel("rank")
     steps_axes.set_xlabel("step")
     steps_axes.set_title("mean per bucket, each step", fontsize="small", loc="left")
@@ -225,7 +236,7 @@ def join_figure(run: Run) -> Figure | None:
     for join in run.joins:
         shadow_by_rank[join.rank] += join.shadow_iterations
     ranks = np.array(list(shadow_by_rank))
-    rows = _top_rows(np.array(list(shadow_by_rank.values()), dtype=float), HEATMAP_RANKS)
+    rows = _top_rows(np.array(list(shadow_by_rank.values()), dtype=float), JOIN_RANKS)
     shown = set(ranks[rows].tolist())
     position = {rank: i for i, rank in enumerate(ranks[rows].tolist())}
     figure = Figure(figsize=(_WIDTH_IN, min(1.6 + 0.3 * len(rows), 7.5)), layout="constrained")
@@ -250,11 +261,10 @@ def join_figure(run: Run) -> Figure | None:
     time_axes.margins(x=0.15)
     counts = [shadow_by_rank[rank] for rank in ranks[rows].tolist()]
     shadow_axes.barh(range(len(rows)), counts, color="C1", height=0.6, gid="shadow-iterations")
-    if len(rows) <= _LABELLED_ROWS:
-        for rank, end_s in timeline_end_s.items():
-            time_axes.text(end_s, position[rank], f" wait {waits_ms[rank]:.0f} ms", va="center", fontsize="small")
-        for y, count in enumerate(counts):
-            shadow_axes.text(count, y, f" {count}", va="center", fontsize="small")
+    for rank, end_s in timeline_end_s.items():
+        time_axes.text(end_s, position[rank], f" wait {waits_ms[rank]:.0f} ms", va="center", fontsize="small")
+    for y, count in enumerate(counts):
+        shadow_axes.text(count, y, f" {count}", va="center", fontsize="small")
     shadow_axes.set_xlabel("iterations shadowed")
     shadow_axes.margins(x=0.25)
     return figure
