@@ -59,6 +59,7 @@ class Run:
     """[rank, step] whether the rank has a span of that step."""
     hook_bytes: list[HookBytes]
     errors: SampledErrors
+    """Of the steps' own work: spans of shadowed iterations are left out."""
     nonfinite: np.ndarray
     """[step] elements compression made non-finite, all ranks."""
     bucket_nonfinite: np.ndarray
@@ -114,8 +115,9 @@ def _quiet(reduce, values: np.ndarray, axis: int) -> np.ndarray:
         return reduce(values, axis=axis) if values.size else np.full(values.shape[:axis], np.nan)
 
 
-def _sampled_errors(hooks: HookSpans) -> SampledErrors:
-    sampled = ~np.isnan(hooks.relative_error)
+def _sampled_errors(hooks: HookSpans, shadowing: np.ndarray) -> SampledErrors:
+    """Per sampled step, over the spans of ranks that trained it (a shadowing rank compresses zeros)."""
+    sampled = ~np.isnan(hooks.relative_error) & ~shadowing
     steps, errors = hooks.step[sampled], hooks.relative_error[sampled]
     order = np.argsort(steps, kind="stable")
     steps, errors = steps[order], errors[order]
@@ -177,7 +179,7 @@ def aggregate(spans: Spans) -> Run:
         shadowed=shadowed,
         present=present,
         hook_bytes=_hook_bytes(hooks),
-        errors=_sampled_errors(hooks),
+        errors=_sampled_errors(hooks, shadowed[row, hooks.step]),
         nonfinite=np.bincount(hooks.step, weights=hooks.nonfinite, minlength=steps).astype(np.int64),
         bucket_nonfinite=np.bincount(hooks.step, weights=hooks.bucket_nonfinite, minlength=steps).astype(np.int64),
         joins=sorted(joins, key=lambda join: (join.rank, join.start_s)),

@@ -116,8 +116,9 @@ def _captions(report: Report, plots) -> list[tuple[str, str, str, str]]:
          "No hook spans, so no bytes."),
         ("compression", "Compression error over steps, and non-finite elements",
          f"Relative error ||x - x^|| / ||x|| of the sampled steps (every {DEFAULT_ERROR_EVERY}th by default, "
-         "TENSORPLAY_ERROR_EVERY): a rising median is drift. Below, per step, elements compression made "
-         "non-finite (fp16 overflow) and elements that arrived non-finite.",
+         "TENSORPLAY_ERROR_EVERY; shadowed iterations, which compress zeros, left out): a rising median is drift. "
+         "Below, per step, elements compression made non-finite (fp16 overflow) and elements that arrived "
+         "non-finite.",
          f"Nothing to show: no sampled compression error and no non-finite element (hooks: {hooks})."),
         ("join", "Join: uneven inputs",
          "Per rank, blue until it ran out of inputs, orange while it shadowed its peers' collectives until all had "
