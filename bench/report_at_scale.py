@@ -6,8 +6,9 @@ other line is a copy of those with its own times, ids and attribute values (the 
 are tensorplay's constants). The run has a story to draw: one rank straggles from a third of the
 way on, one bucket is always slower, the compression error drifts, and a few ranks run out of
 inputs near the end. Then times the command as a user runs it (``python -m tensorplay report``,
-a fresh process each time: start-up and imports included) and prints the median with its spread,
-one run's split by stage, the page's size and the peak memory.
+a fresh process each time: start-up and imports included), interleaved with the same command on a
+tiny run (the fixed cost), and prints medians with their spread, the large run's extra cost, one
+in-process run's split by stage, the page's size and the peak memory.
 
     python bench/report_at_scale.py [--ranks 64] [--steps 1000] [--buckets 10] [--repeats 3] [--keep DIR]
 """
@@ -132,7 +133,8 @@ def write_run(directory: Path, ranks: int, steps: int, buckets: int) -> int:
                     Attr.COMPRESSION_DTYPE: "float16", Attr.BUCKET_NONFINITE: 0,
                 }
                 if step % DEFAULT_ERROR_EVERY == 0:  # drifting up over the run
-                    attributes[Attr.COMPRESSION_RELATIVE_ERROR] = 4.9e-4 * (1 + step / steps) * rng.uniform(0.95, 1.05)
+                    drift = 1 + step / steps
+                    attributes[Attr.COMPRESSION_RELATIVE_ERROR] = 4.9e-4 * drift * rng.uniform(0.95, 1.05)
                 lines.append(_span(hook, rng, start_s, done_s[bucket], attributes))
             text = "\n".join(lines) + "\n"
             files[rank].write(text)
@@ -179,21 +181,32 @@ def main() -> None:
         size = write_run(directory, args.ranks, args.steps, args.buckets)
         print(f"{args.ranks} ranks x {args.steps} steps x {args.buckets} buckets: "
               f"{args.ranks * args.steps * args.buckets:,} hook spans + {args.ranks} join spans, "
-              f"{size / 1e6:.0f} MB of JSON lines in {args.ranks} files (written in {time.perf_counter() - started:.0f} s)")
+              f"{size / 1e6:.0f} MB of JSON lines in {args.ranks} files "
+              f"(written in {time.perf_counter() - started:.0f} s)")
 
-        out = directory / "report.html"
-        command = [sys.executable, "-m", "tensorplay", "report", str(directory), "--out", str(out)]
-        times = []
+        # The same command on a tiny run, interleaved with the large one: its time is the fixed cost
+        # (interpreter, torch and matplotlib imports, five figures), the difference is the run's size.
+        tiny = directory / "tiny"
+        tiny.mkdir(exist_ok=True)
+        write_run(tiny, 2, 10, 2)
+        times: dict[Path, list[float]] = {tiny: [], directory: []}
         for _ in range(args.repeats):
-            started = time.perf_counter()
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ))
-            times.append(time.perf_counter() - started)
-        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        print(f"python -m tensorplay report, {args.repeats} runs: median {statistics.median(times):.1f} s "
-              f"(min {min(times):.1f}, max {max(times):.1f}); peak memory {children:.0f} MB; "
-              f"report.html {out.stat().st_size / 1e6:.2f} MB")
+            for run in times:
+                command = [sys.executable, "-m", "tensorplay", "report", str(run)]
+                started = time.perf_counter()
+                subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ))
+                times[run].append(time.perf_counter() - started)
+        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        for run, label in ((tiny, "2 ranks x 10 steps x 2 buckets"), (directory, "the large run")):
+            runs = times[run]
+            print(f"python -m tensorplay report, {label}, {args.repeats} runs: "
+                  f"median {statistics.median(runs):.1f} s (min {min(runs):.1f}, max {max(runs):.1f})")
+        extra = statistics.median(large - small for small, large in zip(times[tiny], times[directory]))
+        print(f"the large run costs {extra:.1f} s more than the tiny one (median of the paired differences); "
+              f"peak memory {peak_mb:.0f} MB; report.html {(directory / 'report.html').stat().st_size / 1e6:.2f} MB")
         stages = _stages(directory)
-        print("one run in-process, by stage: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in stages.items()))
+        print("one run in-process, by stage: "
+              + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in stages.items()))
 
 
 if __name__ == "__main__":

@@ -111,7 +111,8 @@ def _errors(events: list[dict[str, Any]]) -> list[str]:
             details = params.get("exceptionDetails", {})
             errors.append("exception: " + details.get("exception", {}).get("description", details.get("text", "")))
         elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-            errors.append("console: " + " ".join(str(arg.get("value", arg.get("description"))) for arg in params["args"]))
+            texts = (str(arg.get("value", arg.get("description"))) for arg in params["args"])
+            errors.append("console: " + " ".join(texts))
         elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
             errors.append("log: " + params["entry"].get("text", ""))
     return errors
@@ -124,14 +125,13 @@ def visit(page: Path, width: int = 1200, height: int = 900, timeout_s: float = 6
         raise FileNotFoundError("chromium is not on PATH (Debian's package: apt-get install chromium)")
     commands_read, commands_write = os.pipe()
     replies_read, replies_write = os.pipe()
-    with tempfile.TemporaryDirectory(prefix="tensorplay-chromium-") as profile:
+    with tempfile.TemporaryDirectory(prefix="tensorplay-chromium-") as profile, tempfile.TemporaryFile() as log:
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe", "--no-first-run",
                  "--disable-extensions", "--hide-scrollbars", f"--user-data-dir={profile}", "about:blank"]
         # bash (dash takes one-digit fds only) hands Chromium the pipe ends as the fds 3 and 4 it expects.
         process = subprocess.Popen(
             ["bash", "-c", f'exec "$0" "$@" 3<&{commands_read} 4>&{replies_write}', executable, *flags],
-            pass_fds=(commands_read, replies_write), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            pass_fds=(commands_read, replies_write), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
         )
         os.close(commands_read)
         os.close(replies_write)
@@ -139,7 +139,9 @@ def visit(page: Path, width: int = 1200, height: int = 900, timeout_s: float = 6
             return _load(_DevTools(commands_write, replies_read, timeout_s), page, width, height)
         except (ConnectionError, TimeoutError) as error:
             process.kill()
-            raise RuntimeError(f"{error}; Chromium's stderr:\n{process.stderr.read().decode()[-3000:]}") from error
+            process.wait()
+            log.seek(0)
+            raise RuntimeError(f"{error}; Chromium's stderr:\n{log.read().decode(errors='replace')[-3000:]}") from error
         finally:
             os.close(commands_write)
             os.close(replies_read)
@@ -148,7 +150,6 @@ def visit(page: Path, width: int = 1200, height: int = 900, timeout_s: float = 6
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-            process.stderr.close()
 
 
 def _load(devtools: _DevTools, page: Path, width: int, height: int) -> PageVisit:
