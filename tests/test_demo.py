@@ -2,99 +2,25 @@
 
 Each run is short (a handful of steps) and checks several things at once: exit status, the
 per-rank table, the straggler verdict, the span files, and the metrics endpoints scraped while
-the ranks run.
+the ranks run. The runs are session fixtures of ``demo_runs.py``, shared with ``test_report.py``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from .demo_runs import Demo, has_sample, scrape
 from .ranks import free_base_port
 
 pytestmark = pytest.mark.timeout(120)
-
-LINGER_S = "1.0"  # the ranks keep serving metrics this long after training: time for a last scrape
-
-
-def _scrape(port: int) -> str | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as response:
-            return response.read().decode()
-    except OSError:
-        return None
-
-
-def _has_sample(body: str, name: str, **labels: str) -> bool:
-    """Whether ``body`` (Prometheus text format) has a sample of ``name`` with these labels."""
-    for line in body.splitlines():
-        if line.startswith(name + "{"):
-            if all(f'{key}="{value}"' in line.split("}")[0] for key, value in labels.items()):
-                return True
-    return False
-
-
-@dataclass
-class Demo:
-    """A finished demo run: exit status, output, run dir, and what each rank's endpoint served."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-    run_dir: Path
-    scraped: dict[int, str] = field(default_factory=dict)
-
-    def table(self) -> list[dict[str, str]]:
-        """The report's per-rank rows, by column name."""
-        lines = self.stdout.splitlines()
-        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("rank  steps"))
-        header = re.split(r"\s{2,}", lines[start].strip())
-        rows = []
-        for line in lines[start + 1:]:
-            if not line.strip():
-                break
-            rows.append(dict(zip(header, re.split(r"\s{2,}", line.strip()))))
-        return rows
-
-    def verdict(self) -> str:
-        return next(line for line in self.stdout.splitlines() if line.startswith("straggler: "))
-
-
-def _watch_metrics(process: subprocess.Popen, base_port: int, world_size: int, scraped: dict[int, str]) -> None:
-    """Scrape every rank's endpoint while the demo runs, until each served its rank's hook samples."""
-    while process.poll() is None and len(scraped) < world_size:
-        for rank in range(world_size):
-            body = _scrape(base_port + rank)
-            if body and _has_sample(body, "tensorplay_allreduce_latency_seconds_count", rank=str(rank)):
-                scraped[rank] = body
-        time.sleep(0.2)
-
-
-def run_demo(tmp_path: Path, world_size: int, *flags: str) -> Demo:
-    """Run ``python -m tensorplay demo`` to completion, scraping the ranks' metrics meanwhile."""
-    port = free_base_port(world_size)
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size),
-               "--metrics-port", str(port), "--linger-s", LINGER_S, "--run-dir", str(run_dir), *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    scraped: dict[int, str] = {}
-    watcher = threading.Thread(target=_watch_metrics, args=(process, port, world_size, scraped), daemon=True)
-    watcher.start()
-    stdout, stderr = process.communicate(timeout=100)
-    watcher.join()
-    return Demo(process.returncode, stdout, stderr, run_dir, scraped)
-
 
 def _assert_ran(demo: Demo, world_size: int) -> None:
     assert demo.returncode == 0, demo.stderr
@@ -105,36 +31,36 @@ def _assert_ran(demo: Demo, world_size: int) -> None:
     assert [row["rank"] for row in demo.table()] == [str(r) for r in range(world_size)]
 
 
-def test_two_ranks_report_no_straggler_and_serve_metrics(tmp_path: Path) -> None:
-    demo = run_demo(tmp_path, 2, "--steps", "12")
+def test_two_ranks_report_no_straggler_and_serve_metrics(two_ranks: Demo) -> None:
+    demo = two_ranks
     _assert_ran(demo, 2)
     assert demo.verdict().startswith("straggler: none"), demo.stdout
     assert "injected:" not in demo.stdout
     for rank, body in demo.scraped.items():
-        assert _has_sample(body, "tensorplay_wire_bytes_total", rank=str(rank), hook="fp16_compress_hook")
+        assert has_sample(body, "tensorplay_wire_bytes_total", rank=str(rank), hook="fp16_compress_hook")
     for row in demo.table():
         assert row["steps"] == "12" and row["shadowed"] == "-"
         assert row["non-finite"] == "0" and row["rel. error"] != "-"  # fp16 compresses; step 0 is sampled
 
 
-def test_two_ranks_name_the_injected_straggler(tmp_path: Path) -> None:
-    demo = run_demo(tmp_path, 2, "--steps", "10", "--straggler-rank", "1", "--hook", "allreduce_hook")
+def test_two_ranks_name_the_injected_straggler(two_ranks_straggler: Demo) -> None:
+    demo = two_ranks_straggler
     _assert_ran(demo, 2)
     assert demo.verdict().startswith("straggler: rank 1 "), demo.stdout
     assert "injected: rank 1 sleeps 40 ms per step (found)" in demo.stdout
     assert all(row["rel. error"] == "-" for row in demo.table())  # allreduce_hook does not compress
 
 
-def test_three_ranks_uneven_with_straggler(tmp_path: Path) -> None:
-    demo = run_demo(tmp_path, 3, "--steps", "8", "--uneven", "--straggler-rank", "2")
+def test_three_ranks_uneven_with_straggler(three_ranks_uneven_straggler: Demo) -> None:
+    demo = three_ranks_uneven_straggler
     _assert_ran(demo, 3)
     assert [row["steps"] for row in demo.table()] == ["8", "10", "12"]
     assert [row["shadowed"] for row in demo.table()] == ["4", "2", "0"]
     assert demo.verdict().startswith("straggler: rank 2 "), demo.stdout
 
 
-def test_three_ranks_uneven_inputs_are_no_straggler(tmp_path: Path) -> None:
-    demo = run_demo(tmp_path, 3, "--steps", "12", "--uneven")
+def test_three_ranks_uneven_inputs_are_no_straggler(three_ranks_uneven: Demo) -> None:
+    demo = three_ranks_uneven
     _assert_ran(demo, 3)
     rows = demo.table()
     assert [row["shadowed"] for row in rows] == ["6", "3", "0"]
@@ -152,7 +78,7 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     deadline = time.monotonic() + 60
-    while not all(_scrape(port + rank) for rank in range(2)):  # both ranks are up and training
+    while not all(scrape(port + rank) for rank in range(2)):  # both ranks are up and training
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
@@ -160,7 +86,7 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     assert process.returncode == 130
     assert "interrupted; every rank stopped" in stderr
     assert "Traceback" not in stderr
-    assert _scrape(port) is None and _scrape(port + 1) is None  # the ranks are gone
+    assert scrape(port) is None and scrape(port + 1) is None  # the ranks are gone
 
 
 BAD_FLAGS = [

@@ -1,4 +1,5 @@
-"""The ``tensorplay`` command: ``tensorplay demo`` runs a local multi-rank DDP job and reports on it."""
+"""The ``tensorplay`` command: ``tensorplay demo`` runs a local multi-rank DDP job and reports on it;
+``tensorplay report RUN_DIR`` draws a run's spans as an HTML page."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import os
 import sys
 import tempfile
+
+from tensorplay.report.cli import add_report_command, demo_report_line, report_command
 
 from .hang import EXIT_HUNG, HangWatch
 from .launch import Interrupted, RanksFailed, launch_ranks
@@ -22,7 +25,7 @@ EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``tensorplay`` argument parser with its ``demo`` subcommand."""
+    """The ``tensorplay`` argument parser with its ``demo`` and ``report`` subcommands."""
     parser = argparse.ArgumentParser(prog="tensorplay", description="Observable DDP communication hooks and Join.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
@@ -35,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"ranks to start on this machine (default {DEFAULT_WORLD_SIZE})")
     add_job_arguments(demo)
     demo.set_defaults(metrics_addr=DEMO_METRICS_ADDR, usage_error=demo.error)
+    add_report_command(commands)
     return parser
 
 
@@ -42,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``tensorplay`` command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "report":
+        return report_command(args)
     if args.command != "demo":
         parser.print_help(sys.stderr)
         return 2
@@ -82,4 +88,5 @@ def _demo(args: argparse.Namespace) -> int:
     print(render(ranks, straggler_verdict(ranks), args.hook, run_dir))
     if args.otlp_endpoint:
         print(f"spans were also exported over OTLP to {args.otlp_endpoint}")
+    print(demo_report_line(run_dir.path))
     return 0

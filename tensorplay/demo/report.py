@@ -19,14 +19,14 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr
 
 from .rundir import RunDir, read_json
 
-__all__ = ["RankSummary", "Verdict", "summarize", "straggler_verdict", "render", "STRAGGLER_RATIO",
+__all__ = ["RankSummary", "RankTiming", "Verdict", "summarize", "straggler_verdict", "render", "STRAGGLER_RATIO",
            "STRAGGLER_MIN_EXCESS_MS"]
 
 STRAGGLER_RATIO = 1.5
@@ -52,6 +52,14 @@ class RankSummary:
     last_joiner: bool | None
     injected_delay_ms: float
     metrics_url: str | None
+
+
+class RankTiming(Protocol):
+    """What the straggler verdict weighs of a rank (a :class:`RankSummary`, or the HTML report's)."""
+
+    rank: int
+    compute_ms_mean: float | None
+    latency_ms_p50: float | None
 
 
 @dataclass
@@ -103,7 +111,7 @@ def _summary(result: dict[str, Any], spans: list[dict[str, Any]], common_steps: 
     )
 
 
-def straggler_verdict(ranks: list[RankSummary]) -> Verdict:
+def straggler_verdict(ranks: Sequence[RankTiming]) -> Verdict:
     """Name the rank whose compute is well above its peers' while its allreduce latency is lowest."""
     measured = [r for r in ranks if r.compute_ms_mean is not None and r.latency_ms_p50 is not None]
     if len(measured) < 2:

@@ -1,0 +1,188 @@
+"""Turn the spans of a run into the per-rank, per-step and per-bucket arrays the figures draw.
+
+Everything is aggregated here, once, with numpy: the figures draw arrays whose size is bounded
+by ranks x steps (x buckets), never one artist per span.
+
+Compute time per step is derived from the spans the way ``tensorplay_step_compute_seconds``
+defines it: from the end of a rank's previous step (its last bucket's span ending, when the
+last collective completed) to its next first hook call. A rank's *shadowed* steps are those
+whose first hook call falls inside one of its ``tensorplay.join`` spans: it had run out of
+inputs and only shadowed its peers' collectives, so they are not its compute. The steps every
+rank trained are those no rank shadowed (shadowed iterations call the hooks too, so the step
+counters of all ranks stay aligned).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from .spans import HookSpans, JoinSpan, Spans
+
+__all__ = ["Run", "HookBytes", "SampledErrors", "aggregate"]
+
+
+@dataclass(frozen=True)
+class HookBytes:
+    """Bytes DDP handed one hook, and bytes the hook sent into collectives, over the whole run."""
+
+    hook: str
+    handed_over: int
+    wire: int
+
+
+@dataclass(frozen=True)
+class SampledErrors:
+    """Compression relative error of the sampled steps: median, min and max over ranks and buckets."""
+
+    steps: np.ndarray
+    median: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+
+
+@dataclass
+class Run:
+    """One run's figures, rows in the order of :attr:`ranks`."""
+
+    ranks: np.ndarray
+    """Rank ids, ascending."""
+    latency_ms: np.ndarray
+    """[rank, step, bucket] allreduce latency; NaN where no span."""
+    compute_ms: np.ndarray
+    """[rank, step] compute time before the step; NaN where not observed (first step, shadowed)."""
+    shadowed: np.ndarray
+    """[rank, step] whether the rank shadowed that step inside Join."""
+    present: np.ndarray
+    """[rank, step] whether the rank has a span of that step."""
+    hook_bytes: list[HookBytes]
+    errors: SampledErrors
+    """Of the steps' own work: spans of shadowed iterations are left out."""
+    nonfinite: np.ndarray
+    """[step] elements compression made non-finite, all ranks."""
+    bucket_nonfinite: np.ndarray
+    """[step] non-finite elements that reached a compressing hook, all ranks."""
+    joins: list[JoinSpan]
+    start_s: float
+    """Unix time of the first span: the origin of the Join figure."""
+    duplicates: int
+    """Spans of a (rank, step, bucket) already seen: two runs in the same files?"""
+
+    @property
+    def steps(self) -> int:
+        return self.latency_ms.shape[1]
+
+    @property
+    def trained_by_all(self) -> np.ndarray:
+        """[step] steps every rank trained: each has a span of it and none shadowed it."""
+        return self.present.all(axis=0) & ~self.shadowed.any(axis=0)
+
+    def row(self, rank: int) -> int:
+        """Index of ``rank`` in the arrays."""
+        return int(np.searchsorted(self.ranks, rank))
+
+    def compute_ms_mean(self) -> np.ndarray:
+        """[rank] mean compute per observed step (NaN if none was observed)."""
+        return _quiet(np.nanmean, self.compute_ms, axis=1)
+
+    def compute_ms_band(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[step] 10th percentile, median and 90th percentile of compute over all ranks."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # steps no rank observed (the first)
+            low, median, high = np.nanpercentile(self.compute_ms, [10, 50, 90], axis=0)
+        return low, median, high
+
+    def latency_ms_p50(self) -> np.ndarray:
+        """[rank] median latency per bucket over the steps every rank trained."""
+        common = self.latency_ms[:, self.trained_by_all, :]
+        return _quiet(np.nanmedian, common.reshape(len(self.ranks), -1), axis=1)
+
+    def latency_by_step(self) -> np.ndarray:
+        """[rank, step] mean latency per bucket."""
+        return _quiet(np.nanmean, self.latency_ms, axis=2)
+
+    def latency_by_bucket(self) -> np.ndarray:
+        """[rank, bucket] median latency over the steps every rank trained."""
+        return _quiet(np.nanmedian, self.latency_ms[:, self.trained_by_all, :], axis=1)
+
+
+def _quiet(reduce, values: np.ndarray, axis: int) -> np.ndarray:
+    """``reduce`` (a nan-aware numpy reduction) without the warning for rows that are all NaN."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return reduce(values, axis=axis) if values.size else np.full(values.shape[:axis], np.nan)
+
+
+def _sampled_errors(hooks: HookSpans, shadowing: np.ndarray) -> SampledErrors:
+    """Per sampled step, over the spans of ranks that trained it (a shadowing rank compresses zeros)."""
+    sampled = ~np.isnan(hooks.relative_error) & ~shadowing
+    steps, errors = hooks.step[sampled], hooks.relative_error[sampled]
+    order = np.argsort(steps, kind="stable")
+    steps, errors = steps[order], errors[order]
+    unique, first = np.unique(steps, return_index=True)
+    groups = np.split(errors, first[1:]) if len(unique) else []
+    return SampledErrors(
+        steps=unique,
+        median=np.array([np.median(g) for g in groups]),
+        low=np.array([g.min() for g in groups]),
+        high=np.array([g.max() for g in groups]),
+    )
+
+
+def _hook_bytes(hooks: HookSpans) -> list[HookBytes]:
+    return [HookBytes(name, int(hooks.bucket_bytes[hooks.hook == index].sum()),
+                      int(hooks.wire_bytes[hooks.hook == index].sum()))
+            for index, name in enumerate(hooks.hook_names)]
+
+
+def _shadowed(first_call_s: np.ndarray, rows: np.ndarray, joins: list[JoinSpan]) -> np.ndarray:
+    shadowed = np.zeros(first_call_s.shape, dtype=bool)
+    for join, row in zip(joins, rows):
+        calls = first_call_s[row]
+        shadowed[row] |= (calls >= join.start_s) & (calls <= join.end_s)
+    return shadowed
+
+
+def aggregate(spans: Spans) -> Run:
+    """Aggregate ``spans`` into a :class:`Run`."""
+    hooks, joins = spans.hooks, spans.joins
+    ranks = np.union1d(np.unique(hooks.rank), np.array([join.rank for join in joins], dtype=np.int64))
+    steps = int(hooks.step.max()) + 1 if len(hooks) else 0
+    buckets = int(hooks.bucket.max()) + 1 if len(hooks) else 0
+    row = np.searchsorted(ranks, hooks.rank)
+
+    latency = np.full((len(ranks), steps, buckets), np.nan)
+    latency[row, hooks.step, hooks.bucket] = hooks.latency_ms
+    cells = np.sort((row * steps + hooks.step) * buckets + hooks.bucket)
+    duplicates = int(np.count_nonzero(cells[1:] == cells[:-1]))
+
+    first_call = np.full((len(ranks), steps), np.inf)
+    np.minimum.at(first_call, (row, hooks.step), hooks.start_s)
+    last_end = np.full((len(ranks), steps), -np.inf)
+    np.maximum.at(last_end, (row, hooks.step), hooks.end_s)
+    present = np.isfinite(first_call)
+    shadowed = _shadowed(first_call, np.searchsorted(ranks, [join.rank for join in joins]), joins)
+
+    compute = np.full((len(ranks), steps), np.nan)
+    if steps > 1:
+        observed = present[:, 1:] & np.isfinite(last_end[:, :-1]) & ~shadowed[:, 1:]
+        gaps = (first_call[:, 1:] - last_end[:, :-1]) * 1e3
+        compute[:, 1:] = np.where(observed, gaps, np.nan)
+
+    starts = np.concatenate([hooks.start_s, [join.start_s for join in joins]])
+    return Run(
+        ranks=ranks,
+        latency_ms=latency,
+        compute_ms=compute,
+        shadowed=shadowed,
+        present=present,
+        hook_bytes=_hook_bytes(hooks),
+        errors=_sampled_errors(hooks, shadowed[row, hooks.step]),
+        nonfinite=np.bincount(hooks.step, weights=hooks.nonfinite, minlength=steps).astype(np.int64),
+        bucket_nonfinite=np.bincount(hooks.step, weights=hooks.bucket_nonfinite, minlength=steps).astype(np.int64),
+        joins=sorted(joins, key=lambda join: (join.rank, join.start_s)),
+        start_s=float(starts.min()),
+        duplicates=duplicates,
+    )

@@ -1,0 +1,60 @@
+"""The ``tensorplay report RUN_DIR`` command, and the line ``tensorplay demo`` ends with."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .build import INSTALL_HINT, ReportUnavailable, write_report
+from .spans import NoSpans
+
+__all__ = ["add_report_command", "report_command", "demo_report_line", "EXIT_BAD_INPUT"]
+
+EXIT_BAD_INPUT = 2
+
+
+def add_report_command(commands: argparse._SubParsersAction) -> None:
+    """Add the ``report`` subcommand to the ``tensorplay`` parser's subcommands."""
+    report = commands.add_parser(
+        "report",
+        help="draw a run's spans as one self-contained HTML page",
+        description="Read the span files (*.jsonl) of a run - tensorplay demo's run directory, or any job's "
+                    "configure_tracing(span_file=...) - and write one HTML page of figures: compute per step per "
+                    "rank, allreduce latency heatmaps, bytes per hook, compression error, Join, and the straggler "
+                    f"verdict. Needs matplotlib ({INSTALL_HINT}). Exit status 2 when some input could not be "
+                    "read (what could be is still drawn).",
+    )
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory, or one span file")
+    report.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="where to write the page (default RUN_DIR/report.html)")
+
+
+def report_command(args: argparse.Namespace) -> int:
+    """Write the report of ``args.run_dir``; say what could not be read; return the exit status."""
+    try:
+        report, out = write_report(args.run_dir, args.out)
+    except ReportUnavailable as error:
+        print(f"tensorplay report: {error}", file=sys.stderr)
+        return 1
+    except NoSpans as error:
+        print(f"tensorplay report: nothing to draw: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as error:
+        print(f"tensorplay report: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for problem in report.problems:
+        print(f"tensorplay report: {problem}", file=sys.stderr)
+    print(f"report: {out}")
+    return EXIT_BAD_INPUT if report.problems else 0
+
+
+def demo_report_line(run_dir: Path) -> str:
+    """Write the demo's HTML report and say where it is, or how to get one; never raises."""
+    try:
+        _, out = write_report(run_dir)
+    except ReportUnavailable:
+        return f"HTML report: {INSTALL_HINT}, then tensorplay report {run_dir}"
+    except Exception as error:  # noqa: BLE001  (the demo never fails because of its report)
+        return f"HTML report: not written ({type(error).__name__}: {error})"
+    return f"HTML report: {out}"

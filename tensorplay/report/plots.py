@@ -1,0 +1,270 @@
+"""The report's figures, drawn with matplotlib from a :class:`~tensorplay.report.aggregate.Run`.
+
+Each function returns a :class:`matplotlib.figure.Figure` (or None when the run has nothing to
+show there); artists that carry a rank's data have a ``gid`` naming it, so tests can read what
+was drawn. Figures stay readable and small at any scale: lines for at most ``TOP_K`` ranks (the
+highest mean compute) beside the median and 10-90% band of all ranks, heatmaps of at most
+``HEATMAP_RANKS`` rows and ``HEATMAP_STEPS`` columns (steps averaged in bins beyond that), the
+``JOIN_RANKS`` ranks that shadowed most in the Join panel.
+matplotlib's object API is used without pyplot: no global state, no display needed.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import Normalize
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.figure import Figure
+
+from tensorplay.demo.report import Verdict
+
+from .aggregate import Run
+
+__all__ = ["TOP_K", "HEATMAP_RANKS", "HEATMAP_STEPS", "JOIN_RANKS", "compute_figure", "latency_figure", "bytes_figure",
+           "compression_figure", "join_figure", "png"]
+
+TOP_K = 8
+HEATMAP_RANKS = 64
+HEATMAP_STEPS = 1000
+JOIN_RANKS = 16
+_WIDTH_IN = 11.0
+_DPI = 100
+_STRAGGLER_COLOR = "#d62728"
+_LATENCY_COLORS = colormaps["viridis"].with_extremes(bad="0.9")  # grey: no span there
+
+
+def png(figure: Figure) -> bytes:
+    """The figure as PNG bytes."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=_DPI)
+    return buffer.getvalue()
+
+
+def _top_rows(scores: np.ndarray, k: int) -> np.ndarray:
+    """Rows of the ``k`` highest scores (NaN lowest), in rank order; every row if there are few."""
+    if len(scores) <= k:
+        return np.arange(len(scores))
+    return np.sort(np.argsort(np.nan_to_num(scores, nan=-np.inf), kind="stable")[-k:])
+
+
+def _rank_colors(run: Run, rows: np.ndarray, verdict: Verdict) -> dict[int, str]:
+    palette = [color for color in (f"C{i}" for i in range(10)) if color != "C3"]  # C3 is the straggler's red
+    colors = {}
+    for i, row in enumerate(rows):
+        colors[int(row)] = _STRAGGLER_COLOR if run.ranks[row] == verdict.rank else palette[i % len(palette)]
+    return colors
+
+
+def _rank_label(run: Run, row: int, verdict: Verdict) -> str:
+    rank = int(run.ranks[row])
+    return f"rank {rank} (straggler)" if rank == verdict.rank else f"rank {rank}"
+
+
+def _shadow_rows(run: Run) -> np.ndarray:
+    """Rows of the shadowed-steps strip: every rank if few, else the top k that shadowed most."""
+    counts = run.shadowed.sum(axis=1)
+    if not counts.any():
+        return np.arange(0)
+    rows = _top_rows(counts.astype(float), TOP_K)
+    return rows if len(run.ranks) <= TOP_K else rows[counts[rows] > 0]
+
+
+def compute_figure(run: Run, verdict: Verdict) -> Figure | None:
+    """Compute time before each step, one line per rank; shadowed steps in a strip below."""
+    if not np.isfinite(run.compute_ms).any():
+        return None
+    rows = _top_rows(run.compute_ms_mean(), TOP_K)
+    colors = _rank_colors(run, rows, verdict)
+    strip_rows = _shadow_rows(run)
+    figure = Figure(figsize=(_WIDTH_IN, 4.4 if len(strip_rows) else 3.6), layout="constrained")
+    if len(strip_rows):
+        axes, strip = figure.subplots(2, 1, sharex=True, height_ratios=[4, 1])
+    else:
+        axes, strip = figure.subplots(), None
+    steps = np.arange(run.steps)
+    if len(rows) < len(run.ranks):
+        low, median, high = run.compute_ms_band()
+        axes.fill_between(steps, low, high, color="0.85", label=f"all {len(run.ranks)} ranks, 10-90%")
+        axes.plot(steps, median, color="0.4", linestyle="--", linewidth=1, label="median of all ranks")
+    for row in rows:
+        straggler = run.ranks[row] == verdict.rank
+        axes.plot(steps, run.compute_ms[row], color=colors[int(row)], linewidth=2.4 if straggler else 1.2,
+                  label=_rank_label(run, row, verdict), gid=f"compute-rank{run.ranks[row]}")
+    axes.set_ylabel("compute before step (ms)")
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
+    if strip is None:
+        axes.set_xlabel("step")
+        return figure
+    for position, row in enumerate(strip_rows):
+        marked = steps[run.shadowed[row]]
+        strip.scatter(marked, np.full(len(marked), position), marker="s", s=14, color=colors.get(int(row), "0.45"),
+                      gid=f"shadowed-rank{run.ranks[row]}")
+    strip.set_yticks(range(len(strip_rows)), [f"rank {run.ranks[row]}" for row in strip_rows], fontsize="x-small")
+    strip.set_ylim(-0.7, len(strip_rows) - 0.3)
+    strip.invert_yaxis()
+    strip.set_title("shadowed inside Join (out of inputs: no compute)", fontsize="small", loc="left")
+    strip.grid(axis="x", alpha=0.3)
+    strip.set_xlabel("step")
+    return figure
+
+
+def _binned_steps(matrix: np.ndarray, columns: int) -> np.ndarray:
+    """Average runs of consecutive steps so that at most ``columns`` remain (NaN-aware)."""
+    steps = matrix.shape[1]
+    if steps <= columns:
+        return matrix
+    edges = np.linspace(0, steps, columns + 1).astype(int)
+    valid = ~np.isnan(matrix)
+    sums = np.add.reduceat(np.where(valid, matrix, 0.0), edges[:-1], axis=1)
+    counts = np.add.reduceat(valid, edges[:-1], axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def _heatmap(axes, values: np.ndarray, extent_x: float, norm: Normalize, gid: str):
+    image = axes.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest",
+                        cmap=_LATENCY_COLORS, norm=norm, extent=(0, extent_x, values.shape[0], 0))
+    image.set_gid(gid)
+    return image
+
+
+def latency_figure(run: Run, verdict: Verdict) -> Figure | None:
+    """Allreduce latency as heatmaps: ranks x steps, and ranks x buckets over the steps all trained."""
+    by_step = run.latency_by_step()
+    if not np.isfinite(by_step).any():
+        return None
+    rows = _top_rows(run.compute_ms_mean(), HEATMAP_RANKS)
+    by_step, by_bucket = by_step[rows], run.latency_by_bucket()[rows]
+    finite = by_step[np.isfinite(by_step)]
+    low, high = np.percentile(finite, [1, 99])
+    norm = Normalize(vmin=low, vmax=max(high, low + 1e-3))
+    figure = Figure(figsize=(_WIDTH_IN, min(2.2 + 0.22 * len(rows), 7.5)), layout="constrained")
+    steps_axes, bucket_axes = figure.subplots(1, 2, sharey=True, width_ratios=[5, 1])
+    image = _heatmap(steps_axes, _binned_steps(by_step, HEATMAP_STEPS), run.steps, norm, "latency-by-step")
+    _heatmap(bucket_axes, by_bucket, by_bucket.shape[1], norm, "latency-by-bucket")
+    every = max(1, len(rows) // 32)
+    ticked = [i for i, row in enumerate(rows) if i % every == 0 or run.ranks[row] == verdict.rank]
+    labels = [f"{run.ranks[rows[i]]}{' (straggler)' if run.ranks[rows[i]] == verdict.rank else ''}" for i in ticked]
+    steps_axes.set_yticks(np.array(ticked) + 0.5, labels, fontsize="x-small")
+    steps_axes.set_ylabel("rank")
+    steps_axes.set_xlabel("step")
+    steps_axes.set_title("mean per bucket, each step", fontsize="small", loc="left")
+    bucket_axes.set_xticks(np.arange(by_bucket.shape[1]) + 0.5, range(by_bucket.shape[1]), fontsize="x-small")
+    bucket_axes.set_xlabel("bucket")
+    bucket_axes.set_title("median, steps all trained", fontsize="small", loc="left")
+    figure.colorbar(image, ax=[steps_axes, bucket_axes], label="allreduce latency (ms)", pad=0.01)
+    return figure
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def bytes_figure(run: Run) -> Figure | None:
+    """Bytes DDP handed each hook vs bytes the hook sent into collectives, over the run."""
+    if not run.hook_bytes:
+        return None
+    figure = Figure(figsize=(_WIDTH_IN, 1.3 + 0.7 * len(run.hook_bytes)), layout="constrained")
+    axes = figure.subplots()
+    positions = np.arange(len(run.hook_bytes))
+    handed = np.array([hook.handed_over for hook in run.hook_bytes], dtype=float)
+    wire = np.array([hook.wire for hook in run.hook_bytes], dtype=float)
+    axes.barh(positions - 0.2, handed, height=0.38, color="0.6", label="handed over by DDP", gid="bytes-handed")
+    axes.barh(positions + 0.2, wire, height=0.38, color="C0", label="sent on the wire", gid="bytes-wire")
+    for position, hook in zip(positions, run.hook_bytes):
+        ratio = f"  (x{hook.wire / hook.handed_over:.2f})" if hook.handed_over else ""
+        axes.text(hook.handed_over, position - 0.2, f" {_size(hook.handed_over)}", va="center", fontsize="small")
+        axes.text(hook.wire, position + 0.2, f" {_size(hook.wire)}{ratio}", va="center", fontsize="small")
+    axes.set_yticks(positions, [hook.hook for hook in run.hook_bytes])
+    axes.invert_yaxis()
+    axes.set_xlim(right=max(handed.max(), wire.max(), 1) * 1.25)
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: _size(value)))
+    axes.set_xlabel("bytes, all ranks, whole run")
+    axes.legend(loc="lower right", fontsize="small", frameon=False)
+    return figure
+
+
+def compression_figure(run: Run) -> Figure | None:
+    """Relative error of the sampled steps (median and range) over steps; non-finite counts below."""
+    errors = run.errors
+    nonfinite = run.nonfinite + run.bucket_nonfinite
+    if not len(errors.steps) and not nonfinite.any():
+        return None
+    figure = Figure(figsize=(_WIDTH_IN, 4.2), layout="constrained")
+    error_axes, count_axes = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.3])
+    if len(errors.steps):
+        error_axes.vlines(errors.steps, errors.low, errors.high, color="C0", alpha=0.35, linewidth=4,
+                          label="min-max over ranks and buckets")
+        error_axes.plot(errors.steps, errors.median, marker="o", markersize=3, color="C0", label="median",
+                        gid="relative-error")
+        if (errors.low > 0).all():  # an exact bucket (error 0) would fall off a log scale
+            error_axes.set_yscale("log")
+        error_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
+    else:
+        error_axes.text(0.5, 0.5, "no sampled step", transform=error_axes.transAxes, ha="center", va="center")
+    error_axes.set_ylabel("||x - x^|| / ||x||")
+    error_axes.grid(alpha=0.3)
+    edges = np.arange(run.steps + 1) - 0.5
+    count_axes.stairs(run.nonfinite, edges, fill=True, color="C3", label="made non-finite by compression",
+                      gid="nonfinite")
+    count_axes.stairs(run.nonfinite + run.bucket_nonfinite, edges, baseline=run.nonfinite, fill=True, color="C1",
+                      label="non-finite on arrival", gid="bucket-nonfinite")
+    if not nonfinite.any():
+        count_axes.text(0.5, 0.5, "no non-finite element in any bucket", transform=count_axes.transAxes,
+                        ha="center", va="center", fontsize="small")
+    count_axes.set_ylabel("non-finite")
+    count_axes.set_ylim(0, max(1, int(nonfinite.max())) * 1.15)
+    count_axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    count_axes.set_xlabel("step")
+    count_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
+    return figure
+
+
+def join_figure(run: Run) -> Figure | None:
+    """Per rank: when it ran out of inputs and how long it waited; iterations it shadowed."""
+    if not run.joins:
+        return None
+    shadow_by_rank = {rank: 0 for rank in run.ranks.tolist()}
+    for join in run.joins:
+        shadow_by_rank[join.rank] += join.shadow_iterations
+    ranks = np.array(list(shadow_by_rank))
+    rows = _top_rows(np.array(list(shadow_by_rank.values()), dtype=float), JOIN_RANKS)
+    shown = set(ranks[rows].tolist())
+    position = {rank: i for i, rank in enumerate(ranks[rows].tolist())}
+    figure = Figure(figsize=(_WIDTH_IN, min(1.6 + 0.3 * len(rows), 7.5)), layout="constrained")
+    time_axes, shadow_axes = figure.subplots(1, 2, sharey=True, width_ratios=[3, 1])
+    joins = [join for join in run.joins if join.rank in shown]
+    timeline_end_s: dict[int, float] = {}
+    waits_ms: dict[int, float] = {}
+    for join in joins:
+        timeline_end_s[join.rank] = max(timeline_end_s.get(join.rank, 0.0), join.end_s - run.start_s)
+        waits_ms[join.rank] = waits_ms.get(join.rank, 0.0) + join.wait_ms
+    timelines = time_axes.barh([position[rank] for rank in timeline_end_s], list(timeline_end_s.values()),
+                               color="C0", height=0.6)
+    for patch, rank in zip(timelines.patches, timeline_end_s):
+        patch.set_gid(f"training-rank{rank}")
+    joined = time_axes.barh([position[join.rank] for join in joins], [join.end_s - join.start_s for join in joins],
+                            left=[join.start_s - run.start_s for join in joins], color="C1", height=0.6)
+    for patch, join in zip(joined.patches, joins):
+        patch.set_gid(f"join-rank{join.rank}")
+    time_axes.set_yticks(range(len(rows)), [f"rank {rank}" for rank in ranks[rows]], fontsize="small")
+    time_axes.invert_yaxis()
+    time_axes.set_xlabel("seconds since the first span (blue: own inputs, orange: joined, shadowing)")
+    time_axes.margins(x=0.15)
+    counts = [shadow_by_rank[rank] for rank in ranks[rows].tolist()]
+    shadow_axes.barh(range(len(rows)), counts, color="C1", height=0.6, gid="shadow-iterations")
+    for rank, end_s in timeline_end_s.items():
+        time_axes.text(end_s, position[rank], f" wait {waits_ms[rank]:.0f} ms", va="center", fontsize="small")
+    for y, count in enumerate(counts):
+        shadow_axes.text(count, y, f" {count}", va="center", fontsize="small")
+    shadow_axes.set_xlabel("iterations shadowed")
+    shadow_axes.margins(x=0.25)
+    return figure

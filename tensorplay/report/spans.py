@@ -1,0 +1,322 @@
+"""Read tensorplay's spans from JSON-lines files into compact columns, saying what could not be read.
+
+The files are what :class:`tensorplay.telemetry.tracing.JsonLinesSpanExporter` writes: one
+OpenTelemetry span per line (``ReadableSpan.to_json``), from any number of ranks, in any number
+of files. Only tensorplay's spans are kept, as arrays rather than dicts (a run of 64 ranks x
+1,000 steps x 10 buckets is 640,000 spans). Reading never stops at bad input: a line that is not
+JSON (a truncated last line when a job was killed), a tensorplay span of a shape this version
+does not know, is skipped and described in :attr:`Spans.problems`.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from array import array
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+try:  # the report extra brings orjson: JSON parsing is most of the time a large run takes
+    from orjson import loads as _fast_loads
+except ImportError:  # pragma: no cover - the standard library parses the same lines, three times slower
+    from json import loads as _fast_loads
+
+from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr
+
+__all__ = ["HookSpans", "JoinSpan", "Spans", "NoSpans", "span_files", "read_spans", "PARALLEL_BYTES"]
+
+PARALLEL_BYTES = 64 * 2**20
+"""Runs with at least this much JSON are read by one process per core."""
+
+_TENSORPLAY_PREFIX = "tensorplay."
+_HOOK_INTS = (Attr.RANK, Attr.STEP, Attr.BUCKET_INDEX, Attr.BUCKET_BYTES, Attr.BUCKET_WIRE_BYTES,
+              Attr.COMPRESSION_NONFINITE)
+_HOOK_FLOATS = (Attr.ALLREDUCE_LATENCY_MS,)
+_JOIN_INTS = (Attr.RANK, Attr.JOIN_SHADOW_ITERATIONS)
+_JOIN_FLOATS = (Attr.JOIN_WAIT_MS,)
+
+
+class NoSpans(Exception):
+    """There is nothing to draw: the path is missing, or holds no readable tensorplay span."""
+
+
+@dataclass
+class HookSpans:
+    """Every ``tensorplay.comm_hook`` span, one array element each; times in unix seconds."""
+
+    rank: np.ndarray
+    step: np.ndarray
+    bucket: np.ndarray
+    start_s: np.ndarray
+    end_s: np.ndarray
+    latency_ms: np.ndarray
+    bucket_bytes: np.ndarray
+    wire_bytes: np.ndarray
+    relative_error: np.ndarray
+    """NaN where the error was not sampled (or the hook does not compress)."""
+    nonfinite: np.ndarray
+    """Elements compression made non-finite."""
+    bucket_nonfinite: np.ndarray
+    """Non-finite elements that reached a compressing hook; 0 for hooks that do not compress."""
+    hook: np.ndarray
+    """Index into :attr:`hook_names`."""
+    hook_names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+
+@dataclass(frozen=True)
+class JoinSpan:
+    """One rank's ``tensorplay.join`` span: from running out of inputs until all ranks joined."""
+
+    rank: int
+    start_s: float
+    end_s: float
+    shadow_iterations: int
+    wait_ms: float
+    last_joiner: bool
+
+
+@dataclass
+class Spans:
+    """What was read, and what could not be."""
+
+    hooks: HookSpans
+    joins: list[JoinSpan]
+    files: list[Path]
+    problems: list[str] = field(default_factory=list)
+
+
+def span_files(source: Path) -> list[Path]:
+    """The span files of ``source``: the file itself, or every ``*.jsonl`` in the directory."""
+    if not source.exists():
+        raise NoSpans(f"{source} does not exist")
+    if source.is_file():
+        return [source]
+    files = sorted(path for path in source.glob("*.jsonl") if path.is_file())
+    if not files:
+        raise NoSpans(f"no span files (*.jsonl) in {source}; a run writes them with "
+                      "configure_tracing(span_file=...) or tensorplay demo --run-dir")
+    return files
+
+
+class _Clock:
+    """Parses OpenTelemetry's ISO times (``2026-12-01T11:50:03.283301Z``) to unix seconds, fast.
+
+    Spans of one run share few distinct seconds: each is parsed once, the fraction is added.
+    """
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = {}
+
+    def unix_seconds(self, iso: str) -> float:
+        second, rest = iso[:19], iso[19:]
+        base = self._seconds.get(second)
+        if base is None:
+            base = self._seconds[second] = datetime.fromisoformat(second + "+00:00").timestamp()
+        if rest == "Z":
+            return base
+        if rest[:1] == "." and rest[-1:] == "Z":
+            return base + float(rest[:-1])
+        # Python 3.10's fromisoformat does not take a trailing "Z"; other offsets it does.
+        return datetime.fromisoformat(iso[:-1] + "+00:00" if iso.endswith("Z") else iso).timestamp()
+
+
+# The hook span's attributes as module constants: they are looked up 640,000 times in a large run.
+_HOOK, _RANK, _STEP, _BUCKET = Attr.HOOK, Attr.RANK, Attr.STEP, Attr.BUCKET_INDEX
+_BYTES, _WIRE_BYTES, _NONFINITE, _BUCKET_NONFINITE = (Attr.BUCKET_BYTES, Attr.BUCKET_WIRE_BYTES,
+                                                      Attr.COMPRESSION_NONFINITE, Attr.BUCKET_NONFINITE)
+_LATENCY, _ERROR, _NAN = Attr.ALLREDUCE_LATENCY_MS, Attr.COMPRESSION_RELATIVE_ERROR, float("nan")
+_INT_COLUMNS = ("rank", "step", "bucket", "bucket_bytes", "wire_bytes", "nonfinite", "bucket_nonfinite", "hook")
+_FLOAT_COLUMNS = ("start_s", "end_s", "latency_ms", "relative_error")
+
+
+@dataclass
+class _FileSpans:
+    """One file's spans: rows of int and float columns, hook names by index, joins, problems."""
+
+    ints: np.ndarray
+    floats: np.ndarray
+    hook_names: list[str]
+    joins: list[JoinSpan]
+    problems: list[str]
+
+
+class _FileReader:
+    """Reads one span file row by row into two typed arrays (ints, floats), skipping what it cannot read."""
+
+    def __init__(self) -> None:
+        self._ints = array("q")
+        self._floats = array("d")
+        self._hooks: dict[str, int] = {}
+        self._joins: list[JoinSpan] = []
+        self._clock = _Clock()
+
+    def read(self, path: Path) -> _FileSpans:
+        problems = _FileProblems(path)
+        with path.open("rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                if _MARKER not in raw:
+                    continue  # blank, or another library's span: not ours to judge
+                try:
+                    span = _loads(raw)
+                except ValueError:
+                    # Only the last line can lack its newline: the writer was stopped in the middle of it.
+                    kind = "not JSON" if raw.endswith(b"\n") else "the last line is truncated (was the job killed?)"
+                    problems.add(kind, number)
+                    continue
+                problem = self._add(span)
+                if problem is not None:
+                    problems.add("spans of an unknown version", number, problem)
+        return _FileSpans(np.array(self._ints, dtype=np.int64).reshape(-1, len(_INT_COLUMNS)),
+                          np.array(self._floats, dtype=np.float64).reshape(-1, len(_FLOAT_COLUMNS)),
+                          list(self._hooks), self._joins, problems.messages())
+
+    def _add(self, span: Any) -> str | None:
+        """Add one parsed span; return what makes it unreadable, or None."""
+        try:
+            name, attributes = span["name"], span["attributes"]
+            if name == HOOK_SPAN_NAME:
+                self._add_hook(span, attributes)
+            elif name == JOIN_SPAN_NAME:
+                self._add_join(span, attributes)
+            elif isinstance(name, str) and name.startswith(_TENSORPLAY_PREFIX):
+                return f"a span named {name!r}"
+            return None  # ours, or the application's own span
+        except (AttributeError, KeyError, TypeError, ValueError, OverflowError, IndexError) as error:
+            return _describe(span, error)
+
+    def _add_hook(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
+        """Append one row; every value is converted (and so checked) before either array grows."""
+        hook, hooks, clock = attributes[_HOOK], self._hooks, self._clock.unix_seconds
+        ints = array("q", (attributes[_RANK], attributes[_STEP], attributes[_BUCKET], attributes[_BYTES],
+                           attributes[_WIRE_BYTES], attributes[_NONFINITE], attributes.get(_BUCKET_NONFINITE, 0),
+                           hooks.get(hook, len(hooks))))
+        floats = array("d", (clock(span["start_time"]), clock(span["end_time"]), attributes[_LATENCY],
+                             attributes.get(_ERROR, _NAN)))
+        if min(ints) < 0 or not isinstance(hook, str):
+            raise ValueError("a negative count or index, or a hook name that is not a string")
+        hooks.setdefault(hook, len(hooks))
+        self._ints.extend(ints)
+        self._floats.extend(floats)
+
+    def _add_join(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
+        rank, shadowed = attributes[Attr.RANK], attributes[Attr.JOIN_SHADOW_ITERATIONS]
+        wait_ms = attributes[Attr.JOIN_WAIT_MS]
+        if not all(isinstance(value, int) for value in (rank, shadowed)) or not isinstance(wait_ms, (int, float)):
+            raise TypeError("rank and shadow iterations must be integers, the wait a number")
+        self._joins.append(JoinSpan(rank, self._clock.unix_seconds(span["start_time"]),
+                                    self._clock.unix_seconds(span["end_time"]), shadowed, float(wait_ms),
+                                    bool(attributes.get(Attr.JOIN_LAST_JOINER, False))))
+
+
+def _loads(raw: bytes) -> Any:
+    try:
+        return _fast_loads(raw)
+    except ValueError:
+        return json.loads(raw)  # NaN and Infinity, which Python writes and only its own parser reads
+
+
+def _describe(span: Any, error: Exception) -> str:
+    """Say what is wrong with a span that could not be read (the slow path: bad spans only)."""
+    if not isinstance(span, dict) or not isinstance(span.get("attributes"), dict):
+        return "not an OpenTelemetry span as JsonLinesSpanExporter writes it"
+    name, attributes = span.get("name"), span["attributes"]
+    hook = name == HOOK_SPAN_NAME
+    wrong = _wrong_type(attributes, _HOOK_INTS if hook else _JOIN_INTS, _HOOK_FLOATS if hook else _JOIN_FLOATS)
+    if wrong is not None:
+        return f"{name} without {wrong}"
+    return f"{name}: {type(error).__name__}: {error}"
+
+
+def _wrong_type(attributes: dict[str, Any], ints: Iterable[str], floats: Iterable[str]) -> str | None:
+    """The first attribute that is missing or of the wrong type, or None if all are right."""
+    for name in ints:
+        value = attributes.get(name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"an integer in {name}"
+    for name in floats:
+        value = attributes.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"a number in {name}"
+    return None
+
+
+_MARKER = _TENSORPLAY_PREFIX.encode()
+
+
+class _FileProblems:
+    """Counts one file's skipped lines by kind, remembering the first of each, for one message."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.kinds: dict[str, tuple[int, int, str]] = {}
+
+    def add(self, kind: str, line: int, detail: str = "") -> None:
+        count, first, first_detail = self.kinds.get(kind, (0, line, detail))
+        self.kinds[kind] = (count + 1, first, first_detail)
+
+    def messages(self) -> list[str]:
+        out = []
+        for kind, (count, first, detail) in self.kinds.items():
+            detail = f": {detail}" if detail else ""
+            where = f"line {first}: {kind}" if count == 1 else f"{count} lines: {kind}, the first line {first}"
+            out.append(f"{self.path.name}: {where}{detail}; skipped")
+        return out
+
+
+def _read_file(path: Path) -> _FileSpans:
+    return _FileReader().read(path)
+
+
+def _read_files(files: list[Path]) -> list[_FileSpans]:
+    """Read every file; large runs in parallel, one process per core (JSON parsing holds the GIL)."""
+    workers = min(len(files), os.cpu_count() or 1)
+    large = sum(path.stat().st_size for path in files) >= PARALLEL_BYTES
+    if workers < 2 or not large or "fork" not in multiprocessing.get_all_start_methods():
+        return [_read_file(path) for path in files]
+    # fork: the workers need nothing imported again (spawn would import torch in each).
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_read_file, files))
+
+
+def _merge(parts: list[_FileSpans]) -> HookSpans:
+    """One set of columns from every file's rows, hook indices renumbered into one list of names."""
+    names: dict[str, int] = {}
+    ints, floats = [], []
+    for part in parts:
+        renumber = np.array([names.setdefault(name, len(names)) for name in part.hook_names], dtype=np.int64)
+        rows = part.ints.copy()
+        if len(rows):
+            rows[:, -1] = renumber[rows[:, -1]]
+        ints.append(rows)
+        floats.append(part.floats)
+    all_ints = np.concatenate(ints) if ints else np.zeros((0, len(_INT_COLUMNS)), np.int64)
+    all_floats = np.concatenate(floats) if floats else np.zeros((0, len(_FLOAT_COLUMNS)))
+    columns = {name: np.ascontiguousarray(all_ints[:, i]) for i, name in enumerate(_INT_COLUMNS)}
+    columns |= {name: np.ascontiguousarray(all_floats[:, i]) for i, name in enumerate(_FLOAT_COLUMNS)}
+    return HookSpans(**columns, hook_names=list(names))
+
+
+def read_spans(source: Path) -> Spans:
+    """Read every tensorplay span under ``source`` (a span file or a run directory).
+
+    Raises :class:`NoSpans` when there is nothing to draw; anything less is a problem listed in
+    the result and the rest is read.
+    """
+    files = span_files(source)
+    parts = _read_files(files)
+    hooks = _merge(parts)
+    joins = [join for part in parts for join in part.joins]
+    problems = [problem for part in parts for problem in part.problems]
+    if not len(hooks) and not joins:
+        raise NoSpans("; ".join(problems) if problems else
+                      f"no tensorplay spans in {', '.join(str(path) for path in files)}")
+    return Spans(hooks, joins, files, problems)
