@@ -286,3 +286,48 @@ def test_a_rank_waits_for_one_more_prometheus_scrape_only(monkeypatch: pytest.Mo
         later.join()
     finally:
         server.close()
+
+
+def _one_rank_exposition(metrics: TensorplayMetrics, hooks: tuple[str, ...]) -> list[str]:
+    """Every family of ``metrics`` given a child for rank 0 (and each hook), as served: sample lines."""
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    for hook in hooks:
+        labels = {"rank": "0", "hook": hook}
+        metrics.allreduce_latency.labels(**labels).observe(0.01)
+        metrics.compression_error.labels(**labels).observe(0.001)
+        for counter in (metrics.bucket_bytes, metrics.wire_bytes, metrics.nonfinite, metrics.bucket_nonfinite):
+            counter.labels(**labels).inc()
+    metrics.step_compute.labels(rank="0").observe(0.2)
+    metrics.join_wait.labels(rank="0").observe(1.0)
+    for gauge in (metrics.last_step_timestamp, metrics.collective_waiting_since, metrics.join_timestamp,
+                  metrics.join_shadow_iterations, metrics.join_last_joiner):
+        gauge.labels(rank="0").set(1)
+    metrics.joins.labels(rank="0").inc()
+    text = generate_latest(metrics.registry).decode()
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_the_exposition_has_no_created_series_and_stays_within_the_series_budget() -> None:
+    one_hook = _one_rank_exposition(TensorplayMetrics(CollectorRegistry()), ("fp16_compress_hook",))
+    two_hooks = _one_rank_exposition(TensorplayMetrics(CollectorRegistry()), ("fp16_compress_hook", "allreduce_hook"))
+    assert not [line for line in one_hook + two_hooks if "_created" in line]
+    per_hook = len(two_hooks) - len(one_hook)
+    per_rank = len(one_hook) - per_hook
+    assert per_hook > 0 and per_rank > 0
+    assert len(one_hook) <= 100  # docs/telemetry.md, "Series budget"
+
+
+def test_an_applications_own_metrics_keep_their_created_series() -> None:
+    from prometheus_client import Counter
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    shared = CollectorRegistry()
+    Counter("app_batches", "the application's own counter", registry=shared).inc()
+    metrics = TensorplayMetrics(shared)
+    metrics.joins.labels(rank="0").inc()
+    text = generate_latest(shared).decode()
+    assert "app_batches_created" in text and "tensorplay_joins_total" in text
+    assert "tensorplay_joins_created" not in text
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        TensorplayMetrics(shared)  # registering twice is still refused, as prometheus_client does

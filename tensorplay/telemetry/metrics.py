@@ -11,7 +11,9 @@ import logging
 import os
 import threading
 import warnings
+from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric as MetricFamily
 
 from .inflight import CollectivesInFlight
 from .names import Metric
@@ -41,14 +43,38 @@ _FINAL_SCRAPE_MAX_S = 60.0
 JOIN_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
 
 
+class _WithoutCreated:
+    """Serves a registry's families without their ``_created`` samples.
+
+    prometheus_client adds one ``<name>_created`` series per counter and histogram child: 9 of a
+    rank's 85 series with one hook, read by no rule, panel or alert (Prometheus 2.x stores them as
+    plain gauges). Dropping them here, rather than with prometheus_client's process-wide
+    ``disable_created_metrics()``, leaves an application's own metrics in the same process as
+    they are.
+    """
+
+    def __init__(self, families: CollectorRegistry) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[MetricFamily]:
+        for family in self._families.collect():
+            if family.type in ("counter", "histogram", "summary"):
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+    def describe(self) -> list[MetricFamily]:
+        return list(self.collect())
+
+
 class TensorplayMetrics:
-    """All tensorplay metric families, registered in one registry."""
+    """All tensorplay metric families, served from one registry without ``_created`` series."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        families = CollectorRegistry(auto_describe=True)
         hook_labels = ("rank", "hook")
         rank_label = ("rank",)
-        r = self.registry
+        r = families
         self.allreduce_latency = Histogram(
             Metric.ALLREDUCE_LATENCY,
             "Launch of a hook's first collective to completion of its last, per bucket.",
@@ -102,6 +128,7 @@ class TensorplayMetrics:
             "Telemetry problems that training rode over (port taken, exporter down, a failing listener).",
             ("rank", "reason"), registry=r,
         )
+        self.registry.register(_WithoutCreated(families))  # after the families: names are checked here
 
     def count_error(self, rank: int, reason: str) -> None:
         """Count a telemetry problem that training went on through."""
