@@ -1,6 +1,8 @@
 """Benchmark: tensorplay's hooks vs torch's, and traced vs untraced, measured side by side.
 
-Every variant of one hook trains its own copy of one model (several 25 MB buckets); the variants
+Hooks: allreduce_hook, fp16_compress_hook, bf16_compress_hook, both compress wrappers around
+allreduce_hook, powerSGD_hook. Every variant of one hook trains its own copy of one model
+(several 25 MB buckets); the variants
 take turns (A B C D E A B C D E ...) so that machine noise hits them alike. Prints the median
 step time of every variant and its ratio to the reference, then the overlap of communication
 with the backward compute: how long backward took until its gradients were reduced, and how much
@@ -132,6 +134,15 @@ def variants() -> dict[str, Variants]:
         ours = getattr(default_hooks, name)
         theirs = getattr(torch_default, name)
         table[name] = {
+            "torch": lambda theirs=theirs: (None, _forward_to(theirs)),
+            "tensorplay": lambda ours=ours: (None, _forward_to(ours)),
+            "traced": lambda ours=ours: (None, traced(ours)),
+            "traced error_every=1": lambda ours=ours: (None, traced(ours, error_every=1)),
+        }
+    for name in ("fp16_compress_wrapper", "bf16_compress_wrapper"):
+        ours = getattr(default_hooks, name)(default_hooks.allreduce_hook)
+        theirs = getattr(torch_default, name)(torch_default.allreduce_hook)
+        table[f"{name}(allreduce_hook)"] = {
             "torch": lambda theirs=theirs: (None, _forward_to(theirs)),
             "tensorplay": lambda ours=ours: (None, _forward_to(ours)),
             "traced": lambda ours=ours: (None, traced(ours)),
@@ -337,12 +348,12 @@ def print_tables(setup: Setup, summaries: dict[str, dict[str, dict[str, Any]]]) 
     print(f"{setup.label}: {setup.model}; interleaved rounds x {setup.steps} steps per variant")
     if setup.exporter == "never-answers":
         print("traced variants export through SimpleSpanProcessor + OTLP to a collector that never answers")
-    print(f"{'hook':<22}{'variant':<26}{'median ms':>10}{'vs torch':>10}{'IQR':>13}{'vs untraced':>13}{'IQR':>13}")
+    print(f"{'hook':<40}{'variant':<26}{'median ms':>10}{'vs torch':>10}{'IQR':>13}{'vs untraced':>13}{'IQR':>13}")
     for hook_name, summary in summaries.items():
         for variant, entry in summary.items():
             if variant == COMPUTE_ONLY:
                 continue
-            line = f"{hook_name:<22}{variant:<26}{entry['step_ms']:>10.1f}{_columns(entry['vs_torch'])}"
+            line = f"{hook_name:<40}{variant:<26}{entry['step_ms']:>10.1f}{_columns(entry['vs_torch'])}"
             if "vs_untraced" in entry:
                 line += _columns(entry["vs_untraced"])
             print(line)
@@ -350,10 +361,10 @@ def print_tables(setup: Setup, summaries: dict[str, dict[str, dict[str, Any]]]) 
     print("(or of tensorplay's untraced hook) in the same round; the median of those ratios and their")
     print("interquartile range.")
     print()
-    print(f"{'hook':<22}{'variant':<26}{'backward ms':>12}{'exposed comm ms':>17}{'vs untraced':>13}{'IQR':>13}")
+    print(f"{'hook':<40}{'variant':<26}{'backward ms':>12}{'exposed comm ms':>17}{'vs untraced':>13}{'IQR':>13}")
     for hook_name, summary in summaries.items():
         for variant, entry in summary.items():
-            line = f"{hook_name:<22}{variant:<26}{entry['backward_ms']:>12.1f}"
+            line = f"{hook_name:<40}{variant:<26}{entry['backward_ms']:>12.1f}"
             line += f"{entry['exposed_communication_ms']:>17.1f}" if "exposed_communication_ms" in entry else f"{'':>17}"
             if "backward_vs_untraced" in entry:
                 line += _columns(entry["backward_vs_untraced"])
