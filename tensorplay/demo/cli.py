@@ -14,7 +14,6 @@ from .hang import EXIT_HUNG, HangWatch
 from .launch import Interrupted, RanksFailed, launch_ranks
 from .options import add_job_arguments, job_argv, job_problem
 from .progress import ProgressDisplay
-from .report import render, straggler_verdict, summarize
 from .rundir import RunDir
 
 __all__ = ["main", "build_parser"]
@@ -84,8 +83,12 @@ def _demo(args: argparse.Namespace) -> int:
     except RanksFailed as failure:
         print(f"\ntensorplay demo: {failure}", file=sys.stderr)
         return 1
-    ranks = summarize(run_dir, args.world_size)
-    print(render(ranks, straggler_verdict(ranks), args.hook, run_dir))
+    if not run_dir.report.exists():
+        print(f"\ntensorplay demo: rank 0 wrote no report ({run_dir.report}); see the rank logs in {run_dir.logs}",
+              file=sys.stderr)
+        return 1
+    print(run_dir.report.read_text(encoding="utf-8"), end="")
+    print(f"rank logs: {run_dir.logs}")
     if args.otlp_endpoint:
         print(f"spans were also exported over OTLP to {args.otlp_endpoint}")
     print(demo_report_line(run_dir.path))

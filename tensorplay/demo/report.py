@@ -11,6 +11,9 @@ the median of the other ranks' and ``STRAGGLER_MIN_EXCESS_MS`` more), and becaus
 waits for it inside the allreduce, its own allreduce latency is the lowest. Latency is compared
 over the steps every rank trained, so a rank's extra batches under uneven inputs (when the
 others only shadow) do not blur it; iterations a rank shadows inside ``Join`` are not compute.
+
+Each rank summarizes its own files (:func:`summarize_rank`) and rank 0 gathers the rows over the
+process group, so the report needs no filesystem shared between nodes.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from typing import Any, Protocol, Sequence
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr
 
-from .rundir import RunDir, read_json
+from .rundir import RunDir
 
-__all__ = ["RankSummary", "RankTiming", "Verdict", "summarize", "straggler_verdict", "render", "STRAGGLER_RATIO",
-           "STRAGGLER_MIN_EXCESS_MS"]
+__all__ = ["RankSummary", "RankTiming", "Verdict", "summarize_rank", "straggler_verdict", "render",
+           "STRAGGLER_RATIO", "STRAGGLER_MIN_EXCESS_MS"]
 
 STRAGGLER_RATIO = 1.5
 STRAGGLER_MIN_EXCESS_MS = 10.0
@@ -77,17 +80,12 @@ def _spans(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in lines if line.strip()]
 
 
-def summarize(run_dir: RunDir, world_size: int) -> list[RankSummary]:
-    """Read every rank's result file and spans from ``run_dir``."""
-    results = [read_json(run_dir.result(rank)) for rank in range(world_size)]
-    missing = [rank for rank, result in enumerate(results) if result is None]
-    if missing:
-        raise FileNotFoundError(f"no results from rank(s) {missing} in {run_dir.path}")
-    common_steps = min(result["batches"] for result in results)
-    return [_summary(result, _spans(run_dir.spans(result["rank"])), common_steps) for result in results]
+def summarize_rank(result: dict[str, Any], spans_path: Path, common_steps: int) -> RankSummary:
+    """One rank's row, from its result and its own span file.
 
-
-def _summary(result: dict[str, Any], spans: list[dict[str, Any]], common_steps: int) -> RankSummary:
+    ``common_steps`` is the fewest batches any rank trained: latency is compared over those steps.
+    """
+    spans = _spans(spans_path)
     hooks = [span["attributes"] for span in spans if span["name"] == HOOK_SPAN_NAME]
     joins = [span["attributes"] for span in spans if span["name"] == JOIN_SPAN_NAME]
     latencies = [a[Attr.ALLREDUCE_LATENCY_MS] for a in hooks if a[Attr.STEP] < common_steps]
@@ -165,12 +163,16 @@ def _row(r: RankSummary) -> tuple[str, ...]:
     )
 
 
-def render(ranks: list[RankSummary], verdict: Verdict, hook: str, run_dir: RunDir) -> str:
-    """The report as text: the per-rank table, the straggler verdict and what explains it."""
+def render(ranks: list[RankSummary], verdict: Verdict, hook: str, run_dir: RunDir, nodes: int = 1) -> str:
+    """The report as text: the per-rank table, the straggler verdict and what explains it.
+
+    ``run_dir`` is rank 0's; on several ``nodes`` each node's run dir holds its own ranks' files.
+    """
     rows = [_COLUMNS, *(_row(r) for r in ranks)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     table = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    lines = [f"tensorplay demo: {len(ranks)} ranks, hook traced({hook})", "", *table, "",
+    on_nodes = f" on {nodes} nodes" if nodes > 1 else ""
+    lines = [f"tensorplay demo: {len(ranks)} ranks{on_nodes}, hook traced({hook})", "", *table, "",
              f"straggler: {verdict.evidence}"]
     for r in ranks:
         if r.injected_delay_ms:
@@ -187,7 +189,8 @@ def render(ranks: list[RankSummary], verdict: Verdict, hook: str, run_dir: RunDi
               "wire sent / handed over: every hook call, shadowed iterations included",
               f"rel. error: mean ||x - x^|| / ||x|| of the sampled buckets (every {DEFAULT_ERROR_EVERY}th step by default);  "
               "compute mean: tensorplay_step_compute_seconds, this rank's own work per iteration",
-              f"spans: {run_dir.path}/spans-rank*.jsonl   rank logs: {run_dir.logs}",
+              f"spans: {run_dir.path}/spans-rank*.jsonl"
+              + (" on each node, its own ranks' (copy them into one directory for tensorplay report)" if nodes > 1 else ""),
               "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")
               + " (--linger-s keeps them up after training)"]
     return "\n".join(lines)

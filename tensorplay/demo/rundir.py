@@ -4,7 +4,11 @@ Each rank writes its own files, so no two processes ever append to the same one:
 ``progress-rank<r>.json`` (rewritten every step, polled by the launcher),
 ``state-rank<r>.json`` (rewritten from the live telemetry by a thread, for the hang watch),
 ``result-rank<r>.json`` (once, at the end), ``spans-rank<r>.jsonl`` (the exported spans),
-and torch's elastic launcher puts each rank's stdout/stderr under ``logs/``.
+and torch's elastic launcher puts each rank's stdout/stderr under ``logs/``. Rank 0 writes the
+per-rank report, ``report.txt``, from the rows every rank sent it.
+
+File names carry the global rank, so on several nodes each node's run dir holds its own ranks'
+files, and the run dirs of all nodes can be merged into one (or be one shared directory).
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ class RunDir:
     def spans(self, rank: int) -> Path:
         """The JSON-lines file rank ``rank`` exports its spans to."""
         return self.path / f"spans-rank{rank}.jsonl"
+
+    @property
+    def report(self) -> Path:
+        """The per-rank report as text, written by rank 0 once every rank finished training."""
+        return self.path / "report.txt"
 
     @property
     def logs(self) -> Path:

@@ -9,7 +9,9 @@ It reads ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (and the rendezvous's ``MAS
 Each rank trains a small MLP (several DDP buckets) on synthetic regression data over gloo with
 the chosen hook registered as ``traced(...)``, inside ``Join([ddp_model])`` when inputs are
 uneven, serves its metrics and exports its spans. With ``--run-dir`` it also leaves its progress,
-spans and results there for :mod:`tensorplay.demo.report`.
+spans and results there, and rank 0 prints the per-rank report of :mod:`tensorplay.demo.report`
+(and writes it to ``report.txt``): every rank sends it its row over the process group, so the
+report covers every node without a shared filesystem.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .hang import RankStateWriter
 from .hooks import traced_hook
 from .options import add_job_arguments, extra_batches, hang_step, job_problem
 from .progress import ProgressWriter
+from .report import render, straggler_verdict, summarize_rank
 from .rundir import RunDir, write_json
 
 __all__ = ["main", "make_model", "batch_count"]
@@ -111,6 +114,20 @@ def _configure_tracing(args: argparse.Namespace, run_dir: RunDir | None, rank: i
     return configure_tracing(endpoint=args.otlp_endpoint, otlp=otlp, span_file=span_file)
 
 
+def _report_on_rank0(args: argparse.Namespace, run_dir: RunDir, result: dict[str, Any]) -> None:
+    """Every rank summarizes its own files and sends the row to rank 0, which prints and writes the report."""
+    rank, world_size = result["rank"], result["world_size"]
+    common_steps = min(batch_count(r, args.steps, args.uneven) for r in range(world_size))
+    row = summarize_rank(result, run_dir.spans(rank), common_steps)
+    rows: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(row, rows, dst=0)
+    if rows is not None:
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        text = render(rows, straggler_verdict(rows), args.hook, run_dir, nodes)
+        run_dir.report.write_text(text + "\n", encoding="utf-8")
+        print(text, flush=True)
+
+
 def _blocked_collective(args: argparse.Namespace, rank: int, world_size: int) -> tuple[int, Any] | None:
     """For ``--hang-inside-collective``: the step and the group the hang rank blocks in, on that rank.
 
@@ -174,9 +191,10 @@ def train(args: argparse.Namespace) -> None:
     if provider is not None:
         provider.force_flush()
     if run_dir is not None:
-        write_json(run_dir.result(rank), {
+        result = {
             "rank": rank,
             "local_rank": local_rank,
+            "group_rank": int(os.environ.get("GROUP_RANK", "0")),
             "world_size": world_size,
             "hook": args.hook,
             "batches": batches,
@@ -187,7 +205,9 @@ def train(args: argparse.Namespace) -> None:
             "wall_seconds": wall_s,
             "metrics_url": metrics_url,
             **_metrics_figures(metrics, rank),
-        })
+        }
+        write_json(run_dir.result(rank), result)
+        _report_on_rank0(args, run_dir, result)
     wait_for_final_scrape()  # if Prometheus scrapes this rank, it reads the final figures first
     time.sleep(args.linger_s)
     dist.destroy_process_group()
