@@ -4,8 +4,8 @@
 pairs with the dashboard variables substituted the way Grafana does it, so an end-to-end test can
 execute every panel's query (``PrometheusServer.query``) and check that it returns data.
 
-The module also holds a small PromQL reader (:func:`selectors`) that the dashboard and rule tests
-use to check which metrics a query reads, with which label matchers and range.
+The PromQL reader the dashboard and rule tests use to check which metrics a query reads, with
+which label matchers and range, is tests/promql.py (:func:`selectors` is re-exported here).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import json
 import re
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
+
+from .promql import Selector, selectors
 
 __all__ = [
     "CONTRACT_METRICS",
@@ -163,121 +165,3 @@ def dashboard_queries(
         for target in panel.get("targets", [])
         if target.get("expr") and not target.get("hide")
     ]
-
-
-# -- a small PromQL reader ------------------------------------------------------------------------
-
-
-class Selector(NamedTuple):
-    """A vector selector of a query: metric name, label matchers ``{label: (op, value)}``, range."""
-
-    metric: str
-    matchers: dict[str, tuple[str, str]]
-    range: str | None
-
-
-_AGGREGATIONS = {
-    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk", "topk",
-    "quantile", "limitk", "limit_ratio",
-}
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset", "atan2"}
-_LABEL_LIST_AFTER = {"by", "without", "on", "ignoring", "group_left", "group_right"}
-_TOKEN = re.compile(
-    r"""
-    (?P<space>\s+|\#[^\n]*)
-  | (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)
-  | (?P<duration>(?:\d+(?:ms|[smhdwy]))+\b)
-  | (?P<number>0x[0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
-  | (?P<ident>[a-zA-Z_:][a-zA-Z0-9_:]*)
-  | (?P<variable>\$\{?\w+(?::\w+)?\}?)
-  | (?P<op>=~|!~|!=|==|<=|>=|[-+*/%^<>=(){}\[\],@:])
-    """,
-    re.VERBOSE,
-)
-
-
-def _tokens(expr: str) -> list[tuple[str, str]]:
-    tokens, pos = [], 0
-    while pos < len(expr):
-        match = _TOKEN.match(expr, pos)
-        if not match:
-            raise ValueError(f"cannot read {expr[pos:pos + 20]!r} in {expr!r}")
-        if match.lastgroup != "space":
-            tokens.append((match.lastgroup, match.group()))
-        pos = match.end()
-    return tokens
-
-
-def _unquote(text: str) -> str:
-    if text.startswith("`"):
-        return text[1:-1]
-    return json.loads('"' + text[1:-1].replace('\\"', '"').replace('"', '\\"') + '"')
-
-
-def selectors(expr: str) -> list[Selector]:
-    """Return the vector selectors of a PromQL expression, in order.
-
-    Knows enough PromQL for dashboards and rules: functions and aggregations (with ``by``/
-    ``without`` lists), binary operators with ``on``/``ignoring``/``group_left``/``group_right``
-    lists, matchers, ranges, ``offset``, numbers, strings. Raises ValueError on a selector without
-    a metric name (``{__name__=...}``), which the checks cannot follow.
-    """
-    tokens = _tokens(expr)
-    found: list[Selector] = []
-    i = 0
-    n = len(tokens)
-
-    def skip_parens(j: int) -> int:  # tokens[j] == "(", return index after the matching ")"
-        depth = 0
-        while j < n:
-            if tokens[j][1] == "(":
-                depth += 1
-            elif tokens[j][1] == ")":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        raise ValueError(f"unbalanced parentheses in {expr!r}")
-
-    while i < n:
-        kind, text = tokens[i]
-        nxt = tokens[i + 1][1] if i + 1 < n else ""
-        if kind == "op" and text == "{":
-            raise ValueError(f"selector without a metric name in {expr!r}")
-        if kind != "ident":
-            i += 1
-            continue
-        if text in _LABEL_LIST_AFTER:
-            i += 1
-            if i < n and tokens[i][1] == "(":
-                i = skip_parens(i)
-            continue
-        if text in _KEYWORDS or text.lower() in ("inf", "nan"):
-            i += 1
-            continue
-        if nxt == "(" or (text in _AGGREGATIONS and nxt in ("by", "without")):
-            i += 1  # a function or an aggregation
-            continue
-        # A metric name: read its matchers and range.
-        metric, matchers, rng = text, {}, None
-        i += 1
-        if i < n and tokens[i][1] == "{":
-            i += 1
-            while i < n and tokens[i][1] != "}":
-                if tokens[i][1] == ",":
-                    i += 1
-                    continue
-                label, op, value = tokens[i][1], tokens[i + 1][1], tokens[i + 2]
-                if value[0] != "string":
-                    raise ValueError(f"bad matcher {label}{op}{value[1]} in {expr!r}")
-                matchers[label] = (op, _unquote(value[1]))
-                i += 3
-            i += 1
-        if i < n and tokens[i][1] == "[":
-            j = i + 1
-            while j < n and tokens[j][1] != "]":
-                j += 1
-            rng = "".join(t[1] for t in tokens[i + 1:j])
-            i = j + 1
-        found.append(Selector(metric, matchers, rng))
-    return found
