@@ -92,7 +92,7 @@ class Call:
 
 @dataclass(frozen=True)
 class Binary:
-    """``lhs op lhs`` with its vector matching: ``on`` / ``ignoring`` labels (None when absent) and
+    """``lhs op rhs`` with its vector matching: ``on`` / ``ignoring`` labels (None when absent) and
     ``group`` (``"left"``, ``"right"`` or None)."""
 
     op: str
