@@ -1,11 +1,13 @@
 """Read the PromQL out of tensorplay's Grafana dashboards, ready to run against a real Prometheus.
 
-``dashboard_queries(path, job=..., rank=..., rate_interval="1m")`` returns ``(panel title, expr)``
-pairs with the dashboard variables substituted the way Grafana does it, so an end-to-end test can
-execute every panel's query (``PrometheusServer.query``) and check that it returns data.
+``dashboard_queries(path, job=..., rate_interval="1m")`` returns ``(panel title, expr)`` pairs with
+the dashboard variables substituted the way Grafana does it -- ``$rank`` and ``$topk`` at the
+dashboard's defaults unless given, ``$__range`` at its default time range -- so an end-to-end test
+can execute every panel's query (``PrometheusServer.query``) and check that it returns data, and a
+scale test can run exactly what a user opening the dashboard runs.
 
-The module also holds a small PromQL reader (:func:`selectors`) that the dashboard and rule tests
-use to check which metrics a query reads, with which label matchers and range.
+The PromQL reader the dashboard and rule tests use to check which metrics a query reads, with
+which label matchers and range, is tests/promql.py (:func:`selectors` is re-exported here).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
+from .promql import Selector, selectors
+
 __all__ = [
     "CONTRACT_METRICS",
     "DASHBOARD_DIR",
@@ -23,6 +27,8 @@ __all__ = [
     "Selector",
     "dashboard_paths",
     "dashboard_queries",
+    "default_time_range",
+    "default_value",
     "known_series",
     "load_dashboard",
     "recording_rule_names",
@@ -69,9 +75,9 @@ def recording_rule_names() -> set[str]:
 
 
 def known_series() -> set[str]:
-    """Every series name a query may read: the contract's (histograms as _bucket/_sum/_count)
-    and the recording rules'."""
-    names = set()
+    """Every series name a query may read: the contract's (histograms as _bucket/_sum/_count),
+    the recording rules', and Prometheus' own ``ALERTS`` (of the project's alerts)."""
+    names = {"ALERTS"}
     for name, kind in CONTRACT_METRICS.items():
         names.update((f"{name}_bucket", f"{name}_sum", f"{name}_count") if kind == "histogram" else (name,))
     return names | recording_rule_names()
@@ -114,41 +120,82 @@ def _regex_value(value: str | Sequence[str]) -> str:
     return values[0] if len(values) == 1 else "(" + "|".join(values) + ")"
 
 
-def substitute(expr: str, variables: dict[str, str | Sequence[str]], rate_interval: str = "1m") -> str:
+def substitute(
+    expr: str,
+    variables: dict[str, str | Sequence[str]],
+    rate_interval: str = "1m",
+    time_range: str | None = None,
+) -> str:
     """Replace ``$var`` / ``${var}`` / ``${var:format}`` and Grafana's interval macros in ``expr``.
 
-    A string value is used as it is (a regex such as ``.*``, Grafana's "All" for these dashboards);
-    a list of values becomes ``(a|b)`` with regex characters escaped, as Grafana formats a
-    multi-value variable for Prometheus. Raises ValueError if a ``$`` is left over.
+    A string value is used as it is (a regex such as ``.*``, Grafana's "All" for these dashboards,
+    or a single-value variable such as ``$topk``); a list of values becomes ``(a|b)`` with regex
+    characters escaped, as Grafana formats a multi-value variable for Prometheus.
+    ``$__rate_interval`` and ``$__interval`` become ``rate_interval``, ``$__range`` becomes
+    ``time_range`` (Grafana writes the dashboard's time range in seconds: ``3600s``). Raises
+    ValueError if a variable has no value or a ``$`` is left over.
     """
-    out = expr.replace("$__rate_interval", rate_interval).replace("${__rate_interval}", rate_interval)
-    out = out.replace("$__interval", rate_interval).replace("${__interval}", rate_interval)
+    macros = {"__rate_interval": rate_interval, "__interval": rate_interval}
+    if time_range is not None:
+        macros["__range"] = time_range
+    values = {**variables, **macros}
 
     def replace(match: re.Match) -> str:
         name = match.group(1) or match.group(2)
-        if name not in variables:
+        if name not in values:
             raise ValueError(f"no value given for ${name} in {expr!r}")
-        return _regex_value(variables[name])
+        return _regex_value(values[name])
 
-    out = re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", replace, out)
+    out = re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", replace, expr)
     if "$" in out:
         raise ValueError(f"unresolved variable in {out!r}")
     return out
 
 
+def _variables(dashboard: dict) -> dict[str, dict]:
+    return {v["name"]: v for v in dashboard.get("templating", {}).get("list", [])}
+
+
+def default_value(dashboard: dict, name: str) -> str | list[str]:
+    """What variable ``name`` holds when the dashboard opens: its saved ``current`` value, with
+    Grafana's "All" (``$__all``) as the variable's ``allValue``. A multi-value variable gives a
+    list, a single-value one a string."""
+    variable = _variables(dashboard)[name]
+    value = variable["current"]["value"]
+    if value == "$__all" or value == ["$__all"]:
+        return variable["allValue"]
+    return list(value) if variable.get("multi") else str(value)
+
+
+def default_time_range(dashboard: dict) -> str:
+    """The dashboard's default time range as Grafana writes ``$__range`` (``now-30m`` to ``now``:
+    ``1800s``)."""
+    span = dashboard["time"]
+    if span["to"] != "now" or not span["from"].startswith("now-"):
+        raise ValueError(f"expected a time range ending now, got {span}")
+    amount, unit = re.fullmatch(r"(\d+)([smhdw])", span["from"].removeprefix("now-")).groups()
+    return f"{int(amount) * {'s': 1, 'm': 60, 'h': 3600, 'd': 86400, 'w': 604800}[unit]}s"
+
+
 def dashboard_queries(
     path: Path | str,
     job: str | Sequence[str] = ".*",
-    rank: str | Sequence[str] = ".*",
+    rank: str | Sequence[str] | None = None,
     rate_interval: str = "1m",
+    topk: str | None = None,
+    time_range: str | None = None,
 ) -> list[Query]:
     """Return ``(panel title, expr)`` for every query of every panel of the dashboard at ``path``.
 
     Arguments:
-        job, rank: the variables' values -- a regex string (default ``.*``, i.e. "All") or a list
-            of values such as ``["0", "1"]``.
+        job, rank: the variables' values -- a regex string (``.*`` is "All") or a list of values
+            such as ``["0", "1"]``. ``job`` defaults to All; ``rank`` to the dashboard's default
+            (what a user opening it sees).
         rate_interval: what ``$__rate_interval`` becomes (Grafana makes it at least four scrape
             intervals; ``1m`` suits a 1 s scrape of a 60 s run).
+        topk: how many worst ranks the top-k panels show; default: the dashboard's default.
+        time_range: what ``$__range`` becomes (seconds, ``"3600s"``); default: the dashboard's
+            default time range.
 
     Example::
 
@@ -156,128 +203,15 @@ def dashboard_queries(
             assert server.query(expr), title
     """
     dashboard = load_dashboard(path)
-    variables = {"job": job, "rank": rank}
+    variables = {
+        "job": job,
+        "rank": default_value(dashboard, "rank") if rank is None else rank,
+        "topk": default_value(dashboard, "topk") if topk is None else topk,
+    }
+    span = default_time_range(dashboard) if time_range is None else time_range
     return [
-        Query(panel.get("title", ""), substitute(target["expr"], variables, rate_interval))
+        Query(panel.get("title", ""), substitute(target["expr"], variables, rate_interval, span))
         for panel in panels(dashboard)
         for target in panel.get("targets", [])
         if target.get("expr") and not target.get("hide")
     ]
-
-
-# -- a small PromQL reader ------------------------------------------------------------------------
-
-
-class Selector(NamedTuple):
-    """A vector selector of a query: metric name, label matchers ``{label: (op, value)}``, range."""
-
-    metric: str
-    matchers: dict[str, tuple[str, str]]
-    range: str | None
-
-
-_AGGREGATIONS = {
-    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk", "topk",
-    "quantile", "limitk", "limit_ratio",
-}
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset", "atan2"}
-_LABEL_LIST_AFTER = {"by", "without", "on", "ignoring", "group_left", "group_right"}
-_TOKEN = re.compile(
-    r"""
-    (?P<space>\s+|\#[^\n]*)
-  | (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)
-  | (?P<duration>(?:\d+(?:ms|[smhdwy]))+\b)
-  | (?P<number>0x[0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
-  | (?P<ident>[a-zA-Z_:][a-zA-Z0-9_:]*)
-  | (?P<variable>\$\{?\w+(?::\w+)?\}?)
-  | (?P<op>=~|!~|!=|==|<=|>=|[-+*/%^<>=(){}\[\],@:])
-    """,
-    re.VERBOSE,
-)
-
-
-def _tokens(expr: str) -> list[tuple[str, str]]:
-    tokens, pos = [], 0
-    while pos < len(expr):
-        match = _TOKEN.match(expr, pos)
-        if not match:
-            raise ValueError(f"cannot read {expr[pos:pos + 20]!r} in {expr!r}")
-        if match.lastgroup != "space":
-            tokens.append((match.lastgroup, match.group()))
-        pos = match.end()
-    return tokens
-
-
-def _unquote(text: str) -> str:
-    if text.startswith("`"):
-        return text[1:-1]
-    return json.loads('"' + text[1:-1].replace('\\"', '"').replace('"', '\\"') + '"')
-
-
-def selectors(expr: str) -> list[Selector]:
-    """Return the vector selectors of a PromQL expression, in order.
-
-    Knows enough PromQL for dashboards and rules: functions and aggregations (with ``by``/
-    ``without`` lists), binary operators with ``on``/``ignoring``/``group_left``/``group_right``
-    lists, matchers, ranges, ``offset``, numbers, strings. Raises ValueError on a selector without
-    a metric name (``{__name__=...}``), which the checks cannot follow.
-    """
-    tokens = _tokens(expr)
-    found: list[Selector] = []
-    i = 0
-    n = len(tokens)
-
-    def skip_parens(j: int) -> int:  # tokens[j] == "(", return index after the matching ")"
-        depth = 0
-        while j < n:
-            if tokens[j][1] == "(":
-                depth += 1
-            elif tokens[j][1] == ")":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        raise ValueError(f"unbalanced parentheses in {expr!r}")
-
-    while i < n:
-        kind, text = tokens[i]
-        nxt = tokens[i + 1][1] if i + 1 < n else ""
-        if kind == "op" and text == "{":
-            raise ValueError(f"selector without a metric name in {expr!r}")
-        if kind != "ident":
-            i += 1
-            continue
-        if text in _LABEL_LIST_AFTER:
-            i += 1
-            if i < n and tokens[i][1] == "(":
-                i = skip_parens(i)
-            continue
-        if text in _KEYWORDS or text.lower() in ("inf", "nan"):
-            i += 1
-            continue
-        if nxt == "(" or (text in _AGGREGATIONS and nxt in ("by", "without")):
-            i += 1  # a function or an aggregation
-            continue
-        # A metric name: read its matchers and range.
-        metric, matchers, rng = text, {}, None
-        i += 1
-        if i < n and tokens[i][1] == "{":
-            i += 1
-            while i < n and tokens[i][1] != "}":
-                if tokens[i][1] == ",":
-                    i += 1
-                    continue
-                label, op, value = tokens[i][1], tokens[i + 1][1], tokens[i + 2]
-                if value[0] != "string":
-                    raise ValueError(f"bad matcher {label}{op}{value[1]} in {expr!r}")
-                matchers[label] = (op, _unquote(value[1]))
-                i += 3
-            i += 1
-        if i < n and tokens[i][1] == "[":
-            j = i + 1
-            while j < n and tokens[j][1] != "]":
-                j += 1
-            rng = "".join(t[1] for t in tokens[i + 1:j])
-            i = j + 1
-        found.append(Selector(metric, matchers, rng))
-    return found

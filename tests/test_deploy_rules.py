@@ -255,6 +255,32 @@ def test_grafana_datasources_link_exemplars_to_tempo():
     assert prometheus["jsonData"]["timeInterval"] == scrape
 
 
+LARGE_JOBS = "### Scrape interval and Grafana's `timeInterval` at scale"
+
+
+def _seconds(duration: str) -> int:
+    return sum(int(n) * {"s": 1, "m": 60, "h": 3600}[unit] for n, unit in re.findall(r"(\d+)([smh])", duration))
+
+
+def test_large_job_intervals_agree_with_the_podmonitor_and_the_rule_windows():
+    """deploy/README.md gives a large job one interval for scraping, rule evaluation and Grafana's
+    timeInterval; the PodMonitor scrapes at it, it is no shorter than the compose stack's, and the
+    rules' shortest rate window holds at least 4 of its scrapes (what $__rate_interval assumes)."""
+    readme = (DEPLOY / "README.md").read_text()
+    section = readme[readme.index(LARGE_JOBS):]
+    section = section[:section.find("\n## ")]
+    said = {key: set(re.findall(rf"`{key}: (\w+)`", section))
+            for key in ("scrape_interval", "evaluation_interval", "timeInterval", "interval")}
+    assert all(len(values) == 1 for values in said.values()), said
+    (large,) = set.union(*said.values())
+    (endpoint,) = _load(DEPLOY / "kubernetes" / "podmonitor.yaml")["spec"]["podMetricsEndpoints"]
+    assert endpoint["interval"] == large
+    compose = _load(DEPLOY / "prometheus" / "prometheus.yml")["global"]
+    assert _seconds(large) >= _seconds(compose["scrape_interval"]) == _seconds(compose["evaluation_interval"])
+    windows = [_seconds(s.range) for rule in rules() if "record" in rule for s in selectors(rule["expr"]) if s.range]
+    assert windows and min(windows) >= 4 * _seconds(large), (windows, large)
+
+
 def test_collector_limits_memory_first_and_exports_to_tempo():
     config = _load(DEPLOY / "otel-collector" / "config.yaml")
     protocols = config["receivers"]["otlp"]["protocols"]

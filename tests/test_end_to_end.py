@@ -24,11 +24,14 @@ compute grew twenty-fold under load.
 from __future__ import annotations
 
 import json
+import math
+import re
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -86,6 +89,13 @@ class ScrapedRun:
             pytest.fail(f"the demo did not exit after its linger:\n{self.output()}")
         assert self.process.returncode == 0, self.output()
         return self.stdout_path.read_text()
+
+
+def _unix(rfc3339: str) -> float:
+    """Unix time of an RFC 3339 timestamp as Prometheus' API writes it (nanoseconds, Z or an offset)."""
+    whole, fraction, zone = re.fullmatch(r"([^.Z+]+)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)", rfc3339).groups()
+    seconds = datetime.fromisoformat(whole + ("+00:00" if zone == "Z" else zone)).timestamp()
+    return seconds + float(f"0.{fraction or 0}")
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -147,50 +157,61 @@ def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *fla
                                        f'>= {final:.3f}')) == world_size,
               LINGER_S, process, run.output)
         scraped = time.time()
-        # 3. ... and evaluated the recording rules on those scrapes (while the targets are up).
+        # 3. ... and evaluated the recording rules on those scrapes (while the targets are up) --
+        # every rule group, the dashboards' as well as the alerts' inputs: groups are evaluated
+        # independently, each at its own offset within the interval.
         recorded = _wait(
             "a rule evaluation after the final scrape",
             lambda: (lambda r: r if len(r) == world_size else None)(server.query(
                 f'timestamp(job_rank:tensorplay_last_step_timestamp_seconds:max{{job="{job}"}}) > {scraped:.3f}')),
             LINGER_S, process, run.output)
-        run.at = min(float(s["value"][1]) for s in recorded)
+        first = min(float(s["value"][1]) for s in recorded)
+        evaluated = _wait(
+            "every rule group's evaluation after the final scrape",
+            lambda: (lambda t: t if min(t) >= first else None)([_unix(g["lastEvaluation"]) for g in server.rule_groups()]),
+            LINGER_S, process, run.output)
+        run.at = max(evaluated)
     except BaseException:
         _stop(process)
         raise
     return run
 
 
-# Panels of the hang row that show ranks waiting inside a collective or no longer scraped: empty
-# once a healthy run's training is over (its ranks linger in no collective, all scraped).
-HANG_PANELS_EMPTY_AFTER_TRAINING = {
+# Panels that show problems these runs do not have: ranks waiting inside a collective, stalled or
+# no longer scraped (a healthy run's training is over: its ranks linger in no collective, all
+# scraped), overflowing compression. Empty, as are the telemetry-error panels.
+PANELS_EMPTY_AFTER_TRAINING = {
     "Longest and shortest wait inside a collective, by job",
-    "Seconds waiting inside a collective now (10 longest)",
-    "Ranks waiting inside a collective",
+    "Seconds waiting inside a collective now (top $topk ranks)",
+    "Ranks TensorplayRankStalled names",
     "Ranks no longer scraped (last 30 min)",
+    "Ranks no longer scraped, longest gone (top $topk)",
+    "Most non-finite elements made in 5m (top $topk ranks)",
 }
 
 
 def check_dashboards(run: ScrapedRun) -> dict[str, int]:
-    """Run every dashboard query on the run's data (both runs have uneven inputs, so Join's panels
-    have data too). Each must execute, and answer unless it legitimately has nothing to show:
-    the hang panels of waiting and vanished ranks (after training no rank is in a collective and
-    none is gone) and "Telemetry errors" (the run had no telemetry problem), which must then be
-    empty. Returns ``{title: series}``."""
+    """Run every dashboard query on the run's data as a user opening the dashboards runs it: the
+    variables at their defaults (rank 0, the default top-k), over the run so far (both runs have
+    uneven inputs, so Join's panels have data too). Each must execute, and answer unless it
+    legitimately has nothing to show (above, and the telemetry-error panels: the run had no
+    telemetry problem), which must then be empty. Returns ``{title: series}``."""
     titles = set()
     answered: dict[str, int] = {}
     missing, unexpected = [], []
+    since_start = f"{math.ceil(run.at - run.started)}s"
     for path in dashboard_paths():
-        for title, expr in dashboard_queries(path, job=run.job, rank=run.ranks, rate_interval="1m"):
+        for title, expr in dashboard_queries(path, job=run.job, rate_interval="1m", time_range=since_start):
             titles.add(title)
             result = run.query(expr)  # raises PrometheusError on a query Prometheus rejects
             answered[title] = answered.get(title, 0) + len(result)
-            empty_expected = title in HANG_PANELS_EMPTY_AFTER_TRAINING or any(
+            empty_expected = title in PANELS_EMPTY_AFTER_TRAINING or any(
                 s.metric == "tensorplay_telemetry_errors_total" for s in selectors(expr))
             if empty_expected and result:
                 unexpected.append((path.name, title, expr, result))
             elif not empty_expected and not result:
                 missing.append((path.name, title, expr))
-    assert HANG_PANELS_EMPTY_AFTER_TRAINING <= titles, "a hang panel was renamed or removed: update this test"
+    assert PANELS_EMPTY_AFTER_TRAINING <= titles, "a panel expected empty was renamed or removed: update this test"
     assert not missing, f"dashboard queries without data: {missing}"
     assert not unexpected, f"dashboard queries with data where none is expected: {unexpected}"
     return answered
