@@ -108,6 +108,8 @@ class PrometheusServer:
         rule_files: rule files to load; default: the project's (``RULE_FILES``).
         scrape_interval / evaluation_interval: Prometheus durations, 1s by default.
         extra_args: more command-line flags.
+        storage: keep the TSDB in this folder (e.g. one holding blocks that promtool made)
+            instead of a fresh one for each start.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class PrometheusServer:
         scrape_interval: str = "1s",
         evaluation_interval: str = "1s",
         extra_args: Sequence[str] = (),
+        storage: os.PathLike | str | None = None,
     ) -> None:
         self.targets = dict(targets) if isinstance(targets, Mapping) else {job: list(targets)}
         self.workdir = Path(workdir)
@@ -126,6 +129,7 @@ class PrometheusServer:
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
         self.extra_args = list(extra_args)
+        self.storage = None if storage is None else Path(storage)
         self.port: int | None = None
         self._process: subprocess.Popen | None = None
         self._log = None
@@ -154,7 +158,7 @@ class PrometheusServer:
         last_error = ""
         for _attempt in range(3):  # a free port can be taken between probing and binding
             self.port = free_port()
-            storage = Path(tempfile.mkdtemp(prefix="tsdb-", dir=self.workdir))
+            storage = self.storage or Path(tempfile.mkdtemp(prefix="tsdb-", dir=self.workdir))
             self._log = open(self.log_path, "ab")
             self._process = subprocess.Popen(
                 [
@@ -250,6 +254,10 @@ class PrometheusServer:
         if data["resultType"] in ("scalar", "string"):
             return [{"metric": {}, "value": result}]
         return result
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
+        """Evaluate a range query; return its series (each with ``metric`` and ``values``)."""
+        return self.api("query_range", query=expr, start=start, end=end, step=step)["result"]
 
     def query_values(self, expr: str, by: str = "rank", at: float | None = None) -> dict[str, float]:
         """Evaluate an instant query and return ``{value of label `by`: sample value}``."""

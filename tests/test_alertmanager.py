@@ -91,23 +91,23 @@ def _ready(base: str, process: subprocess.Popen, timeout: float = 20.0) -> bool:
 
 
 def test_per_rank_alerts_make_one_group_per_alert_and_job(alertmanager: str):
-    """300 ranks of one job shadow too long in Join, 20 of another, and 5 ranks of the first
-    overflow: three groups, each with all its ranks, one notification each."""
+    """300 ranks of one job go missing (a rack lost its network), 20 of another, and 5 ranks of the
+    first stall: three groups, each with all its ranks, one notification each."""
     def alert(name: str, job: str, rank: int, **labels: str) -> dict:
-        return {"labels": {"alertname": name, "job": job, "rank": str(rank), "severity": "info", **labels},
+        return {"labels": {"alertname": name, "job": job, "rank": str(rank), "severity": "warning", **labels},
                 "annotations": {"summary": name}}
 
-    alerts = [alert("TensorplayUnevenInputs", "bert", r) for r in range(300)]
-    alerts += [alert("TensorplayUnevenInputs", "gpt", r) for r in range(20)]
-    alerts += [alert("TensorplayGradientOverflow", "bert", r, hook="fp16_compress_hook") for r in range(5)]
+    alerts = [alert("TensorplayRankMetricsMissing", "bert", r) for r in range(300)]
+    alerts += [alert("TensorplayRankMetricsMissing", "gpt", r) for r in range(20)]
+    alerts += [alert("TensorplayRankStalled", "bert", r, severity="critical") for r in range(5)]
     _api(alertmanager, "/api/v2/alerts", alerts)
 
     groups = _api(alertmanager, "/api/v2/alerts/groups")
     found = {(g["labels"]["alertname"], g["labels"]["job"]): g for g in groups}
     assert all(set(g["labels"]) == {"alertname", "job"} for g in groups), [g["labels"] for g in groups]
     assert {key: len(g["alerts"]) for key, g in found.items()} == {
-        ("TensorplayUnevenInputs", "bert"): 300,
-        ("TensorplayUnevenInputs", "gpt"): 20,
-        ("TensorplayGradientOverflow", "bert"): 5,
+        ("TensorplayRankMetricsMissing", "bert"): 300,
+        ("TensorplayRankMetricsMissing", "gpt"): 20,
+        ("TensorplayRankStalled", "bert"): 5,
     }
     assert {g["receiver"]["name"] for g in groups} == {"tensorplay"}

@@ -289,8 +289,8 @@ def test_straggler_run_names_the_straggler_and_every_panel_answers(prometheus, t
 def test_uneven_run_without_straggler(prometheus, tmp_path: Path) -> None:
     """3 ranks, no straggler, uneven inputs (160 / 200 / 240 batches: ranks 0 and 1 shadow 80 and
     40 iterations): the straggler expression returns nothing although every rank is scored (and
-    shadowing is no compute); TensorplayUnevenInputs' expression names ranks 0 and 1 (>= 10), not
-    rank 2; every dashboard query answers.
+    shadowing is no compute); TensorplayUnevenInputs' expression fires once for the job, naming
+    rank 0, the one that shadowed the most (ranks 0 and 1 are >= 10); every dashboard query answers.
 
     The batch count is what keeps rank 0 -- whose compute observations end when it joins --
     stepping across several 1 s scrapes (~4 s here): a rate needs two scrapes that saw it step.
@@ -307,7 +307,9 @@ def test_uneven_run_without_straggler(prometheus, tmp_path: Path) -> None:
         print(f"shadowed iterations per rank {shadowed}")
         assert shadowed == {"0": 80.0, "1": 40.0, "2": 0.0}
         uneven = run.values(alert_expr("TensorplayUnevenInputs"))
-        assert uneven == {rank: n for rank, n in shadowed.items() if n >= UNEVEN_THRESHOLD} == {"0": 80.0, "1": 40.0}
+        over = {rank: n for rank, n in shadowed.items() if n >= UNEVEN_THRESHOLD}
+        worst = max(over, key=over.get)
+        assert uneven == {worst: over[worst]} == {"0": 80.0}, over
 
         assert run.values(alert_expr("TensorplayRankStalled")) == {}
         assert run.values(alert_expr("TensorplayJobHung")) == {}

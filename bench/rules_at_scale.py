@@ -1,0 +1,253 @@
+"""tensorplay's rules, alerts and dashboards at 512 and 4,096 ranks, on Debian's Prometheus.
+
+For each job size N it prints:
+
+1. the series one rank serves and the job's total, counted from the real exposition;
+2. alerts: every scenario of tests/synthetic_job.py (healthy, a x1.6 and a x1.2 straggler, a slow
+   node, uniformly slow, an uneven Join, an overflow) as a job of N ranks over
+   ``--scenario-minutes``, backfilled with the recording rules into one Prometheus; for each alert
+   of deploy/prometheus/rules/tensorplay.alerts.yml, the ranks its expression returns at the end
+   and held for its ``for:`` (count and first few), and the notifications Alertmanager makes of
+   them (deploy/alertmanager/alertmanager.yml's group_by). The healthy job's highest straggler
+   score is the noise floor at N;
+3. cost: one job of N ranks (the x1.6 straggler) over ``--minutes``, blocks compacted as a
+   long-running server holds them; median and p95 wall time of every recording rule and alert
+   expression (instant), and every dashboard panel query with the dashboard's default variables
+   (instant, and a range over 1 h at a 15 s step), with the series and bytes answered and
+   Prometheus' peak samples. Queries over 1 s are flagged.
+
+``--noise-floor`` prints the score of the slowest healthy rank at 5 % between-rank spread
+(``--spread``) for 64, 512, 4,096 and 10,000 ranks, from the generator alone (over 10 seeds).
+
+Run from the repository root (needs promtool and prometheus: apt-get install prometheus)::
+
+    nice -n 10 python bench/rules_at_scale.py --ranks 512
+    nice -n 10 python bench/rules_at_scale.py --ranks 4096 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tensorplay.telemetry.names import Metric  # noqa: E402
+from tests.alert_firing import firing, notifications  # noqa: E402
+from tests.alert_rules import alerts, rules  # noqa: E402
+from tests.backfill import aligned_start, backfilled_prometheus, evaluation_time  # noqa: E402
+from tests.dashboard_queries import dashboard_queries, load_dashboard  # noqa: E402
+from tests.prometheus_server import PrometheusServer  # noqa: E402
+from tests.synthetic_job import SCRAPE_INTERVAL_S, Scenario, SyntheticJob, series_per_rank, standard_scenarios  # noqa: E402
+
+SLOW_S = 1.0
+RANGE_S = 3600.0
+SHOWN_RANKS = 8
+QUERY_BUDGET_S = 20.0  # stop repeating a query once its runs took this long together
+
+
+# -- alerts ---------------------------------------------------------------------------------------
+
+
+def alert_table(server: PrometheusServer, scenarios: list[Scenario], at: float) -> None:
+    print(f"  {'alert':<30} {'job (scenario)':<22} {'ranks':>6}  {'first ranks':<40} {'alerts':>6} {'notif.':>6}")
+    silent = []
+    for name, rule in alerts().items():
+        fired = firing(server, rule, at, SCRAPE_INTERVAL_S)
+        if not fired:
+            silent.append(name)
+            if name != "TensorplayStragglerRank":
+                continue  # the straggler alert's silence on most jobs is the point: shown per job
+        for scenario in scenarios:
+            of_job = [a for a in fired if a.labels.get("job") == scenario.job]
+            ranks = sorted({int(a.labels["rank"]) for a in of_job if "rank" in a.labels})
+            if not of_job and name != "TensorplayStragglerRank":
+                continue
+            first = ", ".join(map(str, ranks[:SHOWN_RANKS])) + (" ..." if len(ranks) > SHOWN_RANKS else "")
+            hooks = sorted({a.labels["hook"] for a in of_job if "hook" in a.labels})
+            first += f" ({len(hooks)} hooks)" if len(hooks) > 1 else ""
+            print(f"  {name:<30} {scenario.job:<22} {len(ranks):>6}  {first or '-':<40} {len(of_job):>6} "
+                  f"{notifications(of_job):>6}")
+    print(f"  silent on every job: {', '.join(n for n in silent if n != 'TensorplayStragglerRank') or '-'}")
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    runs_s: list[float]
+    series: int
+    bytes: int
+    peak_samples: int | None
+    error: str = ""
+
+    def row(self) -> str:
+        if self.error:
+            return f"{'ERROR':>8} {self.error[:80]}"
+        runs = sorted(self.runs_s)
+        median = statistics.median(runs)
+        p95 = runs[min(len(runs) - 1, int(round(0.95 * (len(runs) - 1))))]
+        peak = f"{self.peak_samples:,}" if self.peak_samples is not None else "?"
+        flag = "  > 1 s" if median > SLOW_S else ""
+        return f"{median:8.3f} {p95:8.3f} {len(runs):>3} {self.series:>7} {self.bytes / 1e6:9.2f} {peak:>12}{flag}"
+
+
+def timed_query(server: PrometheusServer, expr: str, at: float, repeats: int, range_s: float | None) -> Timing:
+    """Run ``expr`` up to ``repeats`` times over HTTP, as Grafana would; wall time per run."""
+    params = {"query": expr, "stats": "all"}
+    if range_s is None:
+        path, params["time"] = "query", f"{at:.3f}"
+    else:
+        path = "query_range"
+        params.update(start=f"{at - range_s:.3f}", end=f"{at:.3f}", step=f"{SCRAPE_INTERVAL_S:g}")
+    url = f"{server.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+    runs, body = [], b""
+    for _ in range(repeats):
+        began = time.perf_counter()
+        try:
+            with urllib.request.urlopen(url, timeout=300) as response:
+                body = response.read()
+        except urllib.error.HTTPError as error:
+            return Timing([], 0, 0, None, json.load(error).get("error", str(error)))
+        runs.append(time.perf_counter() - began)
+        if sum(runs) > QUERY_BUDGET_S:
+            break
+    data = json.loads(body)["data"]
+    result = data["result"]
+    peak = data.get("stats", {}).get("samples", {}).get("peakSamples")
+    return Timing(runs, len(result) if isinstance(result, list) and data["resultType"] != "scalar" else 1, len(body), peak)
+
+
+def default_variables(dashboard: dict) -> dict[str, str | list[str]]:
+    """The dashboard's variables as it opens: each one's saved value, "All" as its allValue."""
+    values: dict[str, str | list[str]] = {}
+    for variable in dashboard.get("templating", {}).get("list", []):
+        if variable.get("type") == "datasource":
+            continue
+        current = variable.get("current", {}).get("value", variable.get("query", ""))
+        selected = current if isinstance(current, list) else [current]
+        if "$__all" in selected:
+            values[variable["name"]] = variable.get("allValue") or ".*"
+        else:
+            values[variable["name"]] = selected if len(selected) > 1 else str(selected[0])
+    return values
+
+
+def timing_table(server: PrometheusServer, at: float, repeats: int, dashboards: Path) -> None:
+    header = f"  {'query':<76} {'median':>8} {'p95':>8} {'n':>3} {'series':>7} {'MB':>9} {'peak samples':>12}"
+    print(header)
+    for rule in rules():
+        name = rule.get("record") or rule["alert"]
+        kind = "rule" if "record" in rule else "alert"
+        print(f"  {kind + ' ' + name:<76} " + timed_query(server, rule["expr"], at, repeats, None).row())
+    accepted = set(inspect.signature(dashboard_queries).parameters)
+    for path in sorted(dashboards.glob("*.json")):
+        variables = {k: v for k, v in default_variables(load_dashboard(path)).items() if k in accepted}
+        print(f"  dashboard {path.name} (variables {variables})")
+        seen: dict[str, int] = {}
+        for title, expr in dashboard_queries(path, **variables, rate_interval="1m"):
+            seen[title] = seen.get(title, 0) + 1
+            name = title[:56] + (f" [{seen[title]}]" if seen[title] > 1 else "")
+            for label, range_s in (("instant", None), ("1h", RANGE_S)):
+                timing = timed_query(server, expr, at, repeats, range_s)
+                print(f"    {name + ' ' + label:<74} " + timing.row())
+
+
+# -- noise floor ----------------------------------------------------------------------------------
+
+
+def slowest_healthy_score(ranks: int, seed: int, spread: float) -> float:
+    """The straggler score of the slowest rank of a healthy job, as the recording rules compute it
+    from the generator's compute histogram: 5m mean over the median of the other ranks' means."""
+    job = SyntheticJob(Scenario("healthy"), ranks, 5, 0.0, seed=seed, spread=spread)
+    (family,) = [f for f in job.families if f.name == Metric.STEP_COMPUTE]
+    totals = {s.name.rsplit("_", 1)[1]: v for s, v in job.values(family, 0, ranks) if s.name.endswith(("_sum", "_count"))}
+    means = (totals["sum"][:, -1] - totals["sum"][:, 0]) / (totals["count"][:, -1] - totals["count"][:, 0])
+    ordered = np.sort(means)
+    return float(ordered[-1] / np.median(ordered[:-1]))
+
+
+def noise_floor(sizes: list[int], seeds: int, spread: float) -> None:
+    print(f"noise floor: the slowest healthy rank's straggler score at {spread:.0%} spread ({seeds} seeds)")
+    print(f"  {'ranks':>7} {'mean':>6} {'min':>6} {'max':>6}")
+    for ranks in sizes:
+        scores = [slowest_healthy_score(ranks, seed, spread) for seed in range(seeds)]
+        print(f"  {ranks:>7} {statistics.mean(scores):6.3f} {min(scores):6.3f} {max(scores):6.3f}")
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--minutes", type=float, default=60, help="length of the timed job (default 60)")
+    parser.add_argument("--scenario-minutes", type=float, default=16,
+                        help="length of each scenario job (default 16: 5m windows and a 10m `for:`)")
+    parser.add_argument("--scenarios", nargs="*", default=None, help="scenario names (default: all)")
+    parser.add_argument("--hooks", nargs="+", default=["fp16_compress_hook"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dashboards", type=Path, default=ROOT / "dashboards")
+    parser.add_argument("--ranks-per-file", type=int, default=512)
+    parser.add_argument("--skip", choices=["alerts", "cost"], nargs="*", default=[])
+    parser.add_argument("--noise-floor", type=int, nargs="*", default=None, metavar="RANKS",
+                        help="print the noise floor for these job sizes (none given: 64 512 4096 10000) and exit")
+    parser.add_argument("--spread", type=float, default=0.05,
+                        help="between-rank lognormal spread for --noise-floor (default 0.05)")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the data goes (default: a temporary folder)")
+    args = parser.parse_args()
+
+    if args.noise_floor is not None:
+        noise_floor(args.noise_floor or [64, 512, 4096, 10000], seeds=10, spread=args.spread)
+        return
+    hooks = tuple(args.hooks)
+    for ranks in args.ranks:
+        per_rank = series_per_rank(hooks)
+        print(f"\n=== {ranks} ranks, hooks {', '.join(hooks)}")
+        print(f"series: {per_rank} per rank, {per_rank * ranks:,} for the job")
+        workdir = Path(tempfile.mkdtemp(prefix=f"rules-at-scale-{ranks}-", dir=args.workdir))
+        try:
+            if "alerts" not in args.skip:
+                scenarios = [s for s in standard_scenarios(ranks, hooks)
+                             if args.scenarios is None or s.job in args.scenarios]
+                start = aligned_start(args.scenario_minutes)
+                jobs = [SyntheticJob(s, ranks, args.scenario_minutes, start) for s in scenarios]
+                began = time.perf_counter()
+                with backfilled_prometheus(jobs, workdir / "alerts", args.ranks_per_file) as server:
+                    at = evaluation_time(jobs)
+                    print(f"\nalerts: {len(jobs)} jobs of {ranks} ranks x {args.scenario_minutes:g} min "
+                          f"(backfilled in {time.perf_counter() - began:.0f} s)")
+                    alert_table(server, scenarios, at)
+                    score = server.query_values('max by (job) (job_rank:tensorplay_step_compute_seconds:straggler_score5m)',
+                                                by="job", at=at)
+                    print("  highest straggler score per job: " + ", ".join(f"{j} {v:.3f}" for j, v in sorted(score.items())))
+                shutil.rmtree(workdir / "alerts")
+            if "cost" not in args.skip:
+                scenario = standard_scenarios(ranks, hooks)[1]
+                job = SyntheticJob(scenario, ranks, args.minutes, aligned_start(args.minutes))
+                began = time.perf_counter()
+                with backfilled_prometheus([job], workdir / "cost", args.ranks_per_file, compacted=True) as server:
+                    print(f"\ncost: one job ({scenario.job}) of {ranks} ranks x {args.minutes:g} min, "
+                          f"{per_rank * ranks * len(job.times):,} samples at most "
+                          f"(backfilled and compacted in {time.perf_counter() - began:.0f} s); seconds, wall, over HTTP")
+                    timing_table(server, evaluation_time([job]), args.repeats, args.dashboards)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""tensorplay's alerts on a 64-rank job, the small version of bench/rules_at_scale.py.
+
+Seven synthetic jobs (tests/synthetic_job.py, shaped from the real exposition) of 64 ranks and
+16 minutes -- enough for the 5m windows and the straggler's `for: 10m` -- are backfilled, with the
+recording rules, into one Debian Prometheus; each alert expression is evaluated at the end and
+must have held for its `for:`. The expected ranks come from the generator (which ranks it made
+slow, how many iterations each shadowed, how many elements each made non-finite).
+
+promtool and prometheus are required: a missing one fails the tests (CI installs Debian's
+`prometheus`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from tensorplay.telemetry.names import Metric
+
+from .alert_firing import Alert, firing, notifications
+from .alert_rules import alerts
+from .backfill import aligned_start, backfilled_prometheus, evaluation_time
+from .synthetic_job import SCRAPE_INTERVAL_S, RANKS_PER_NODE, Scenario, SyntheticJob, standard_scenarios
+
+RANKS = 64
+MINUTES = 16
+HOOKS = ("fp16_compress_hook", "bf16_compress_hook")
+
+
+@pytest.fixture(scope="module")
+def fired(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, SyntheticJob], dict[str, list[Alert]]]]:
+    """``({job: SyntheticJob}, {job: alerts firing at the end})`` for every standard scenario;
+    the overflow job runs two hooks."""
+    scenarios = [
+        replace(s, hooks=HOOKS, overflow_hooks=HOOKS) if s.overflow_hooks else s
+        for s in standard_scenarios(RANKS)
+    ]
+    start = aligned_start(MINUTES)
+    jobs = {s.job: SyntheticJob(s, RANKS, MINUTES, start) for s in scenarios}
+    at = evaluation_time(list(jobs.values()))
+    by_job: dict[str, list[Alert]] = defaultdict(list)
+    with backfilled_prometheus(list(jobs.values()), tmp_path_factory.mktemp("scale")) as server:
+        for rule in alerts().values():
+            for alert in firing(server, rule, at, SCRAPE_INTERVAL_S):
+                by_job[alert.labels["job"]].append(alert)
+    yield jobs, by_job
+
+
+def _ranks(alerts: list[Alert], name: str) -> set[int]:
+    return {int(a.labels["rank"]) for a in alerts if a.labels["alertname"] == name}
+
+
+def _scenario(jobs: dict[str, SyntheticJob], **match) -> SyntheticJob:
+    (job,) = [j for j in jobs.values() if all(getattr(j.scenario, k) == v for k, v in match.items())]
+    return job
+
+
+def test_the_straggler_alert_names_exactly_the_slow_ranks(fired) -> None:
+    jobs, by_job = fired
+    for job in jobs.values():
+        scenario: Scenario = job.scenario
+        named = _ranks(by_job[scenario.job], "TensorplayStragglerRank")
+        expected = set(scenario.slow_ranks) if scenario.slow_factor >= 1.5 else set()
+        assert named == expected, (scenario, sorted(named))
+    node = _scenario(jobs, slow_factor=1.6, slow_ranks=tuple(range(RANKS_PER_NODE, 2 * RANKS_PER_NODE)))
+    assert notifications(a for a in by_job[node.scenario.job] if a.labels["alertname"] == "TensorplayStragglerRank") == 1
+
+
+def test_an_uneven_join_fires_once_for_the_job_naming_the_worst_rank(fired) -> None:
+    jobs, by_job = fired
+    job = _scenario(jobs, uneven_join=True)
+    uneven = [a for a in by_job[job.scenario.job] if a.labels["alertname"] == "TensorplayUnevenInputs"]
+    shadow = job.shadow_iterations
+    assert (shadow >= 10).sum() > RANKS / 2  # most ranks shadowed: one alert still
+    (alert,) = uneven
+    assert int(alert.labels["rank"]) == int(np.argmax(shadow)) and alert.value == shadow.max()
+    assert not any(_ranks(by_job[j], "TensorplayUnevenInputs") for j in jobs if j != job.scenario.job)
+
+
+def test_an_overflow_fires_once_per_job_and_hook_naming_the_worst_rank(fired) -> None:
+    jobs, by_job = fired
+    job = _scenario(jobs, overflow_hooks=HOOKS)
+    overflow = [a for a in by_job[job.scenario.job] if a.labels["alertname"] == "TensorplayGradientOverflow"]
+    assert sorted(a.labels["hook"] for a in overflow) == sorted(HOOKS)
+    (family,) = [f for f in job.families if f.name == Metric.NONFINITE]
+    for series, values in job.values(family, 0, RANKS):
+        totals = values[:, -1]
+        assert (totals > 0).sum() > RANKS / 2
+        (alert,) = [a for a in overflow if a.labels["hook"] == series.label("hook")]
+        assert int(alert.labels["rank"]) == int(np.argmax(totals)) and alert.value == totals.max()
+    assert notifications(overflow) == 1  # Alertmanager groups by alertname and job: both hooks in one
+    assert not any(_ranks(by_job[j], "TensorplayGradientOverflow") for j in jobs if j != job.scenario.job)
+
+
+def test_no_other_alert_fires(fired) -> None:
+    """Nothing hangs, no rank goes missing: the hang and missing-rank alerts stay silent on every job."""
+    jobs, by_job = fired
+    quiet = {"TensorplayRankStalled", "TensorplayJobHung", "TensorplayRankMetricsMissing"}
+    assert set(alerts()) > quiet
+    assert not [a for job in jobs for a in by_job[job] if a.labels["alertname"] in quiet]
