@@ -1,6 +1,6 @@
 """Read the PromQL out of tensorplay's Grafana dashboards, ready to run against a real Prometheus.
 
-``dashboard_queries(path, job=..., rate_interval="1m")`` returns ``(panel title, expr)`` pairs with
+``dashboard_queries(path, job=..., rate_interval="1m")`` returns ``(panel title, expr, instant)`` with
 the dashboard variables substituted the way Grafana does it -- ``$rank`` and ``$topk`` at the
 dashboard's defaults unless given, ``$__range`` at its default time range -- so an end-to-end test
 can execute every panel's query (``PrometheusServer.query``) and check that it returns data, and a
@@ -84,10 +84,12 @@ def known_series() -> set[str]:
 
 
 class Query(NamedTuple):
-    """One panel query: the panel's title and its expression with variables substituted."""
+    """One panel query: the panel's title, its expression with variables substituted, and whether
+    Grafana runs it as an instant query (a table or stat of "now") rather than over the range."""
 
     title: str
     expr: str
+    instant: bool
 
 
 def dashboard_paths() -> list[Path]:
@@ -199,7 +201,7 @@ def dashboard_queries(
 
     Example::
 
-        for title, expr in dashboard_queries("dashboards/communication.json", job="demo"):
+        for title, expr, _ in dashboard_queries("dashboards/communication.json", job="demo"):
             assert server.query(expr), title
     """
     dashboard = load_dashboard(path)
@@ -210,7 +212,11 @@ def dashboard_queries(
     }
     span = default_time_range(dashboard) if time_range is None else time_range
     return [
-        Query(panel.get("title", ""), substitute(target["expr"], variables, rate_interval, span))
+        Query(
+            panel.get("title", ""),
+            substitute(target["expr"], variables, rate_interval, span),
+            bool(target.get("instant")) and not target.get("range"),
+        )
         for panel in panels(dashboard)
         for target in panel.get("targets", [])
         if target.get("expr") and not target.get("hide")

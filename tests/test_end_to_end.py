@@ -201,7 +201,7 @@ def check_dashboards(run: ScrapedRun) -> dict[str, int]:
     missing, unexpected = [], []
     since_start = f"{math.ceil(run.at - run.started)}s"
     for path in dashboard_paths():
-        for title, expr in dashboard_queries(path, job=run.job, rate_interval="1m", time_range=since_start):
+        for title, expr, _ in dashboard_queries(path, job=run.job, rate_interval="1m", time_range=since_start):
             titles.add(title)
             result = run.query(expr)  # raises PrometheusError on a query Prometheus rejects
             answered[title] = answered.get(title, 0) + len(result)

@@ -142,7 +142,7 @@ def test_scrapes_evaluates_rules_and_keeps_exemplars(server, two_ranks):
     # Every dashboard query runs on the real server; those over the series served here answer.
     answered = {}
     for path in dashboard_paths():
-        for title, query in dashboard_queries(path, job="fixture", rank=["0", "1"], rate_interval="1m"):
+        for title, query, _ in dashboard_queries(path, job="fixture", rank=["0", "1"], rate_interval="1m"):
             answered[title] = answered.get(title, False) or bool(server.query(query))
     for title in ("Allreduce latency p99 by rank and hook", "Allreduce latency distribution of the picked ranks",
                   "Straggler score by rank (5m)", "Straggler score: highest $topk ranks (5m)", "Ranks in no collective"):
@@ -164,7 +164,7 @@ def test_hang_expressions_and_panels_on_hung_jobs(server):
     answered: dict[str, set] = {}
     counted: dict[str, dict[str, float]] = {}
     path = next(p for p in dashboard_paths() if p.name == "stragglers-join.json")
-    for title, query in dashboard_queries(path, job=["stuck", "hung"], rate_interval="1m"):
+    for title, query, _ in dashboard_queries(path, job=["stuck", "hung"], rate_interval="1m"):
         result = server.query(query)
         answered.setdefault(title, set()).update(s["metric"].get("job") for s in result)
         counted[title] = {s["metric"].get("job"): float(s["value"][1]) for s in result}

@@ -24,6 +24,8 @@ from tensorplay.telemetry.names import Metric
 from .alert_firing import Alert, firing, notifications
 from .alert_rules import alerts
 from .backfill import aligned_start, backfilled_prometheus, evaluation_time
+from .dashboard_queries import dashboard_paths, dashboard_queries, default_value, load_dashboard
+from .prometheus_server import PrometheusServer
 from .synthetic_job import SCRAPE_INTERVAL_S, RANKS_PER_NODE, Scenario, SyntheticJob, standard_scenarios
 
 RANKS = 64
@@ -32,22 +34,28 @@ HOOKS = ("fp16_compress_hook", "bf16_compress_hook")
 
 
 @pytest.fixture(scope="module")
-def fired(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, SyntheticJob], dict[str, list[Alert]]]]:
-    """``({job: SyntheticJob}, {job: alerts firing at the end})`` for every standard scenario;
-    the overflow job runs two hooks."""
+def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, SyntheticJob], PrometheusServer, float]]:
+    """``({job: SyntheticJob}, Prometheus holding them, evaluation time)`` for every standard
+    scenario; the overflow job runs two hooks."""
     scenarios = [
         replace(s, hooks=HOOKS, overflow_hooks=HOOKS) if s.overflow_hooks else s
         for s in standard_scenarios(RANKS)
     ]
     start = aligned_start(MINUTES)
     jobs = {s.job: SyntheticJob(s, RANKS, MINUTES, start) for s in scenarios}
-    at = evaluation_time(list(jobs.values()))
-    by_job: dict[str, list[Alert]] = defaultdict(list)
     with backfilled_prometheus(list(jobs.values()), tmp_path_factory.mktemp("scale")) as server:
-        for rule in alerts().values():
-            for alert in firing(server, rule, at, SCRAPE_INTERVAL_S):
-                by_job[alert.labels["job"]].append(alert)
-    yield jobs, by_job
+        yield jobs, server, evaluation_time(list(jobs.values()))
+
+
+@pytest.fixture(scope="module")
+def fired(backfilled) -> tuple[dict[str, SyntheticJob], dict[str, list[Alert]]]:
+    """``({job: SyntheticJob}, {job: alerts firing at the end})``."""
+    jobs, server, at = backfilled
+    by_job: dict[str, list[Alert]] = defaultdict(list)
+    for rule in alerts().values():
+        for alert in firing(server, rule, at, SCRAPE_INTERVAL_S):
+            by_job[alert.labels["job"]].append(alert)
+    return jobs, by_job
 
 
 def _ranks(alerts: list[Alert], name: str) -> set[int]:
@@ -102,3 +110,24 @@ def test_no_other_alert_fires(fired) -> None:
     quiet = {"TensorplayRankStalled", "TensorplayJobHung", "TensorplayRankMetricsMissing"}
     assert set(alerts()) > quiet
     assert not [a for job in jobs for a in by_job[job] if a.labels["alertname"] in quiet]
+
+
+def test_the_dashboards_default_view_draws_a_bounded_number_of_ranks(backfilled) -> None:
+    """Every panel of both dashboards, as they open (every job, default ranks and top-k), as Grafana
+    runs it (over the whole run, or at its end for instant panels): no query fails, none draws more ranks than the top-k or the default rank selection
+    allows -- far fewer than the job's 64 -- and the straggler top-k shows the x1.6 rank."""
+    jobs, server, at = backfilled
+    start = at - MINUTES * 60
+    drawn_by_panel: dict[str, set[tuple[str, str]]] = {}
+    for path in dashboard_paths():
+        dashboard = load_dashboard(path)
+        bound = max(int(default_value(dashboard, "topk")), len(jobs) * len(default_value(dashboard, "rank")))
+        assert bound < RANKS
+        for title, expr, instant in dashboard_queries(path, rate_interval="1m", time_range=f"{MINUTES * 60}s"):
+            series = server.query(expr, at) if instant else server.query_range(expr, start, at, SCRAPE_INTERVAL_S)
+            ranks = {(s["metric"].get("job", ""), s["metric"]["rank"]) for s in series if "rank" in s["metric"]}
+            assert len(ranks) <= bound, (path.name, title, len(ranks))
+            drawn_by_panel.setdefault(title, set()).update(ranks)
+    (job,) = [j for j in jobs.values() if j.scenario.slow_factor >= 1.5 and len(j.scenario.slow_ranks) == 1]
+    top = [ranks for title, ranks in drawn_by_panel.items() if title.startswith("Straggler score: highest")]
+    assert top and (job.scenario.job, str(job.scenario.slow_ranks[0])) in top[0]
