@@ -219,11 +219,7 @@ def add_join_progress_listener(listener: Callable[[JoinProgress], None]) -> None
 
 def report_join_progress(progress: JoinProgress) -> None:
     """Hand ``progress`` to the progress listeners; a failing one is logged and never breaks ``Join``."""
-    for listener in list(_join_progress_listeners):
-        try:
-            listener(progress)
-        except Exception:  # telemetry must never break training
-            _logger.exception("tensorplay join progress listener %r failed", listener)
+    _notify(_join_progress_listeners, progress, "join progress listener")
 
 
 def join_listening() -> bool:
@@ -233,8 +229,12 @@ def join_listening() -> bool:
 
 def report_join(report: JoinReport) -> None:
     """Hand ``report`` to every listener; a failing listener is logged and never breaks ``Join``."""
-    for listener in list(_join_listeners):
+    _notify(_join_listeners, report, "join listener")
+
+
+def _notify(listeners: list[Callable[[Any], None]], item: Any, kind: str) -> None:
+    for listener in list(listeners):
         try:
-            listener(report)
+            listener(item)
         except Exception:  # telemetry must never break training
-            _logger.exception("tensorplay join listener %r failed", listener)
+            _logger.exception("tensorplay %s %r failed", kind, listener)
