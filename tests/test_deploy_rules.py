@@ -117,14 +117,15 @@ def test_thresholds_and_windows_are_documented():
 
 
 def test_hang_alerts_share_one_documented_threshold():
-    """RankStalled and JobHung compare waits (and RankStalled the latest hook call) with one
-    threshold, the one deploy/README.md gives; the end-to-end tests substitute it by value."""
+    """RankStalled, JobHung and RankMetricsMissing compare waits (and RankStalled the latest hook
+    call) with one threshold, the one deploy/README.md gives; the end-to-end tests substitute it by
+    value."""
     numbers = {
         name: {float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", alerts()[name]["expr"])} - {0.0}
-        for name in ("TensorplayRankStalled", "TensorplayJobHung")
+        for name in ("TensorplayRankStalled", "TensorplayJobHung", "TensorplayRankMetricsMissing")
     }
     (threshold,) = numbers["TensorplayRankStalled"]
-    assert numbers["TensorplayJobHung"] == {threshold}, numbers
+    assert numbers["TensorplayJobHung"] == numbers["TensorplayRankMetricsMissing"] == {threshold}, numbers
     assert f"{threshold:g} s" in (DEPLOY / "README.md").read_text()
 
 
