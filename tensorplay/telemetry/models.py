@@ -47,17 +47,18 @@ class _WeakIndex(Generic[_T]):
     """Objects (tensors) by identity, held weakly: an entry goes when its object is freed."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, _T]] = {}
+        self.entries: dict[int, tuple[weakref.ref, _T]] = {}
+        """id(object) -> (weak reference to it, value)."""
 
     def get(self, obj: Any) -> _T | None:
-        entry = self._entries.get(id(obj))
+        entry = self.entries.get(id(obj))
         if entry is not None and entry[0]() is obj:
             return entry[1]
         return None
 
     def put(self, obj: Any, value: _T) -> None:
         key = id(obj)
-        entries = self._entries
+        entries = self.entries
 
         def forget(ref: weakref.ref) -> None:
             if entries.get(key, (None,))[0] is ref:
@@ -78,10 +79,10 @@ class ModelsOfHook:
         """The model ``bucket`` belongs to (the first model if the bucket cannot tell)."""
         try:
             buffer = bucket.buffer()
-            model = self._by_buffer.get(buffer)
-            if model is None:
-                model = self._place(bucket, buffer)
-            return model
+            entry = self._by_buffer.entries.get(id(buffer))  # _WeakIndex.get, inlined: it runs per bucket
+            if entry is not None and entry[0]() is buffer:
+                return entry[1]
+            return self._place(bucket, buffer)
         except Exception:  # a bucket without parameters (a test double): one model
             _logger.debug("tensorplay: cannot tell which model a bucket belongs to", exc_info=True)
             return self._models[0] if self._models else self._new_model()
