@@ -358,16 +358,20 @@ def test_only_a_slow_span_processor_is_called_slow(caplog: pytest.LogCaptureFixt
     assert len(warned) == 1 and "rank 0: the span processor is slow: ending one span has taken" in warned[0]
 
 
-def test_a_busy_machine_is_not_called_a_slow_span_processor(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_busy_machine_is_not_called_a_slow_span_processor(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     caplog.set_level("DEBUG", logger="tensorplay.telemetry.spans")
-    healthy = SpanEnder(budget_s=0.0)  # a waiter that gets no time at all: a busy machine
+    healthy = SpanEnder(budget_s=0.0)  # a waiter that gets no time at all
+    monkeypatch.setattr(healthy, "_start", lambda: None)  # and an ender's thread that has not run yet
     for _ in range(3):
         job = SpanEnd(_QuickSpan())  # type: ignore[arg-type]
         healthy.submit(job)
         healthy._no_wait_until = 0.0  # wait each time, past the cool-down
         healthy.wait_briefly(job)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
-    assert healthy.late_waits >= 1  # each run-out wait is counted and logged at debug level
+    assert healthy.late_waits == 3  # each run-out wait is counted, and logged at debug level
+    assert sum("its processor is not slow" in r.getMessage() for r in caplog.records) == 3
 
 
 # --- a collective whose launch raises -----------------------------------------------------------
