@@ -9,6 +9,7 @@ reads and the hook runs untouched.
 
 import copy
 import logging
+import operator
 import os
 from typing import Any, Callable, Optional
 
@@ -84,8 +85,10 @@ def traced(
         raise TypeError(f"traced: expected a communication hook hook(state, bucket), got {type(hook).__name__}")
     if error_every is None:
         error_every = _error_every_from_environment()
-    if isinstance(error_every, bool) or not isinstance(error_every, int):
-        raise TypeError(f"traced: error_every must be a whole number of steps, got {error_every!r}")
+    try:
+        error_every = operator.index(error_every)  # an int, or what stands for one (numpy's)
+    except TypeError:
+        raise TypeError(f"traced: error_every must be a whole number of steps, got {error_every!r}") from None
     if error_every < 0:
         raise ValueError(f"traced: error_every must be >= 0 (0 turns the error off), got {error_every}")
     return _TracedHook(hook, probe.hook_name(hook), error_every, metrics, tracer_provider)
