@@ -119,8 +119,9 @@ def child():
     try:
         metrics = enable_metrics(port=int(child_port), addr="127.0.0.1")
         outcome["served at"] = list(served_address() or ())
+        hook = traced(local_hook)
         for _ in range(3):
-            traced(local_hook)(None, Bucket()).wait()
+            hook(None, Bucket()).wait()
         outcome["flushed"] = flush(10)
         from opentelemetry import trace
         outcome["exported"] = trace.get_tracer_provider().force_flush(10_000)

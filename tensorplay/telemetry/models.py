@@ -93,6 +93,8 @@ class ModelsOfHook:
 
     def _place(self, bucket: Any, buffer: Any) -> ModelSteps:
         parameters = bucket.parameters()
+        if not parameters:  # nothing to tell models apart by (a stand-in bucket): one model
+            return self._models[0] if self._models else self._new_model()
         model = next((m for m in map(self._by_parameter.get, parameters) if m is not None), None)
         index = bucket.index()
         if model is None:
@@ -101,7 +103,7 @@ class ModelsOfHook:
             model.expected_bucket = None if bucket.is_last() else index + 1
         for parameter in parameters:
             self._by_parameter.put(parameter, model)
-        if parameters and (model.anchor is None or model.anchor() is None):
+        if model.anchor is None or model.anchor() is None:
             model.anchor = weakref.ref(parameters[0])
         self._by_buffer.put(buffer, model)
         return model
