@@ -9,7 +9,9 @@ Every scenario runs on the same two real gloo ranks (one spawn, ``outcomes`` fix
   recorded while it hangs;
 * spans end exactly once, with ERROR status and the exception, when the hook, one of its
   collectives, or the telemetry itself fails;
-* a soak of 2,000 steps on a one-bucket model keeps live objects and pending records flat.
+* a soak of 2,000 steps on a one-bucket model keeps live objects and pending records flat;
+* one traced hook on two DDP models (one backward each, or both in one backward) counts each
+  model's steps from 0, samples each model's error on the same steps, and changes no bit.
 """
 
 
