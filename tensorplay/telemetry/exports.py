@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -159,3 +160,11 @@ def _shut_exports_still_running() -> None:
     for exporter in list(_exporters):
         if exporter.exporting_since is not None:
             exporter.shutdown()
+
+
+def _renew_lock_after_fork() -> None:
+    global _registration_lock
+    _registration_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_lock_after_fork)
