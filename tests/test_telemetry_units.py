@@ -278,7 +278,8 @@ def test_a_rank_waits_for_one_more_prometheus_scrape_only(monkeypatch: pytest.Mo
         assert wait_for_final_scrape() is False
         scrape(prometheus=True)
         scrape(prometheus=True)
-        assert server.scrapes.interval_s() is not None
+        # A scrape completes once the server has written its body, just after the client read it.
+        assert _eventually(lambda: server.scrapes.interval_s() is not None)
         assert wait_for_final_scrape(timeout_s=0.2) is False  # no scrape came in time
         later = threading.Timer(0.3, scrape, kwargs={"prometheus": True})
         later.start()
