@@ -16,11 +16,9 @@ import torch
 import torch.distributed as dist
 from opentelemetry import trace
 
-from tensorplay import __version__
-
 from . import probe
 from .metrics import TensorplayMetrics, active_metrics
-from .names import HOOK_SPAN_NAME, TRACER_NAME
+from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord, CollectiveEnds
 from .resolver import resolver
 from .spans import OwnedSpan
@@ -99,9 +97,7 @@ class _TracedHook:
         self._reports_collectives = probe.reports_collectives(hook)
         self._error_every = error_every
         self._metrics = metrics
-        self._own_tracer = (
-            tracer_provider.get_tracer(TRACER_NAME, __version__) if tracer_provider is not None else None
-        )
+        self._own_tracer = default_tracer(tracer_provider) if tracer_provider is not None else None
         self._step = 0
         self._new_step = True
         self._previous_step_end: Optional[CollectiveEnds] = None

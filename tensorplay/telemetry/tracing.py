@@ -19,21 +19,64 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
 from tensorplay import __version__
 
 from .names import TRACER_NAME
 
-__all__ = ["tracer", "configure_tracing", "JsonLinesSpanExporter"]
+__all__ = ["tracer", "configure_tracing", "JsonLinesSpanExporter", "SystemRandomIdGenerator"]
 
 _logger = logging.getLogger(__name__)
 
-def tracer() -> trace.Tracer:
-    """Return tensorplay's tracer from the current global provider (a no-op without an SDK).
 
-    Looked up on every use, so a provider set or replaced later (tests do) is honoured.
+class SystemRandomIdGenerator(IdGenerator):
+    """Draw trace and span IDs from the operating system, never from Python's ``random``.
+
+    OpenTelemetry's default generator draws from the global ``random``, which training scripts
+    seed (``seed_everything``, ``set_seed``, ``random.seed``): every rank, and every run with the
+    same seed, would then make the same IDs, and each span would advance the script's own random
+    sequence. Drawing from ``os.urandom`` keeps IDs unique and leaves ``random`` as the script
+    left it. IDs are never all zeros (invalid in W3C Trace Context).
     """
-    return trace.get_tracer(TRACER_NAME, __version__)
+
+    def generate_span_id(self) -> int:
+        return _nonzero_bits(8)
+
+    def generate_trace_id(self) -> int:
+        return _nonzero_bits(16)
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+def _nonzero_bits(size: int) -> int:
+    while True:
+        value = int.from_bytes(os.urandom(size), "big")
+        if value:
+            return value
+
+
+_SYSTEM_IDS = SystemRandomIdGenerator()
+
+
+def _draws_from_random(owner: object) -> bool:
+    """True if ``owner`` (an SDK provider or tracer) uses the SDK's stock, ``random``-based generator."""
+    return type(getattr(owner, "id_generator", None)) is RandomIdGenerator
+
+
+def tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
+    """Return tensorplay's tracer from ``provider``, else the current global one (a no-op without an SDK).
+
+    The global provider is looked up on every use, so a provider set or replaced later (tests
+    do) is honoured. Whoever made the provider, tensorplay's own spans never take IDs from
+    Python's ``random``: a tracer on the SDK's default generator gets
+    :class:`SystemRandomIdGenerator` instead (a generator the application chose is kept).
+    """
+    found = (provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME, __version__)
+    if _draws_from_random(found):
+        found.id_generator = _SYSTEM_IDS  # type: ignore[attr-defined]  # an SDK Tracer's public attribute
+    return found
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -134,6 +177,12 @@ def configure_tracing(
     failed export counted in ``tensorplay_telemetry_errors_total``) and never blocks training.
     If the application already set an SDK provider, the exporters are added to it.
 
+    Trace and span IDs are drawn from the operating system (:class:`SystemRandomIdGenerator`),
+    so they are unique across ranks and runs however the script seeds Python's ``random``, and
+    tracing never advances that seed's sequence. A provider the application set keeps an ID
+    generator it chose; if it has the SDK's default (which draws from ``random``), that one is
+    replaced, for the tracers it hands out from then on.
+
     Calling it again is harmless: it returns the same provider and adds only exporters that no
     earlier call added to it (an OTLP exporter per endpoint and protocol, one per span file), so
     no span is ever exported twice to one destination.
@@ -141,8 +190,10 @@ def configure_tracing(
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         provider = current
+        if _draws_from_random(provider):
+            provider.id_generator = _SYSTEM_IDS
     else:
-        provider = TracerProvider(resource=_resource(service_name, resource_attributes))
+        provider = TracerProvider(resource=_resource(service_name, resource_attributes), id_generator=_SYSTEM_IDS)
         trace.set_tracer_provider(provider)
     # Unless the environment says otherwise, give up on an export after 5 s rather than 10 s.
     env_timeout = any(k in os.environ for k in ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"))
