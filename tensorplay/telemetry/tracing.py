@@ -164,7 +164,9 @@ def configure_tracing(
         service_name: ``service.name`` of the Resource. OpenTelemetry's precedence holds: this
             argument, else ``service.name`` in ``resource_attributes``, else ``OTEL_SERVICE_NAME``,
             else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``, else ``tensorplay``. The rank
-            (``RANK``) and world size are added to the Resource.
+            and world size are added to the Resource: the process group's once it exists, else
+            ``RANK`` and ``WORLD_SIZE``; call it after the process group is set up where no
+            launcher sets ``RANK`` (Lightning: in ``LightningModule.setup``).
         endpoint: OTLP endpoint (default: ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, else the
             exporter's localhost default). An http base URL gets ``/v1/traces`` appended.
         protocol: ``http/protobuf`` or ``grpc`` (default: ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``,
@@ -222,9 +224,19 @@ def _add_once(provider: TracerProvider, key: tuple, make: Callable[[], SpanExpor
 
 
 def _resource(service_name: str | None, resource_attributes: dict[str, object] | None) -> Resource:
-    """The Resource of a new provider: rank and world size, the standard variables, the arguments."""
-    attributes: dict[str, object] = {"tensorplay.rank": int(os.environ.get("RANK", "0"))}
-    if "WORLD_SIZE" in os.environ:
+    """The Resource of a new provider: rank and world size, the standard variables, the arguments.
+
+    Rank and world size come from the process group once it exists (Lightning's launchers set
+    no ``RANK``), else from torchrun's ``RANK`` and ``WORLD_SIZE``.
+    """
+    import torch.distributed as dist
+
+    from .metrics import rank_label
+
+    attributes: dict[str, object] = {"tensorplay.rank": int(rank_label())}
+    if dist.is_available() and dist.is_initialized():
+        attributes["tensorplay.world_size"] = dist.get_world_size()
+    elif "WORLD_SIZE" in os.environ:
         attributes["tensorplay.world_size"] = int(os.environ["WORLD_SIZE"])
     attributes.update(resource_attributes or {})
     if service_name is not None:

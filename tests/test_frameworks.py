@@ -1,0 +1,164 @@
+"""tensorplay inside PyTorch Lightning and Hugging Face Accelerate, as their users run it: 2 CPU processes, gloo.
+
+The scripts under ``tests/frameworks/`` are ordinary user scripts; each test module fixture runs
+one of them once, with the framework's own launcher (Lightning's default launcher and its spawn
+launcher) or torchrun, and the tests read what the ranks left behind: final parameters, span
+files, and each rank's own ``/metrics`` as it served them over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from .ranks import free_base_port, free_port
+
+SCRIPTS = Path(__file__).parent / "frameworks"
+ROOT = Path(__file__).parent.parent
+RANKS = (0, 1)
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _run(command: list[str], out_dir: Path, timeout: float = 240) -> None:
+    """Run a user script to completion with metrics on (the torchrun way) and gloo on 127.0.0.1."""
+    env = dict(os.environ)
+    env.update(
+        TENSORPLAY_METRICS_PORT=str(free_base_port(2)),
+        TENSORPLAY_METRICS_ADDR="127.0.0.1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+    )
+    done = subprocess.run(command, cwd=out_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command} exited {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+
+
+def _served(out_dir: Path, rank: int) -> Samples:
+    """The samples rank ``rank`` served on its own endpoint, by (name, sorted labels)."""
+    body = (out_dir / f"metrics-rank{rank}.txt").read_text()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+    }
+
+
+def _value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def _parameters(path: Path) -> list[torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def _equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
+    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Lightning's default launcher: a fit with torch's bf16 hook, then one with TracedCommHook."""
+    out_dir = tmp_path_factory.mktemp("lightning")
+    _run([sys.executable, str(SCRIPTS / "lightning_train.py"), str(out_dir)], out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def lightning_spawn_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DDPStrategy(start_method="spawn"): the Trainer and its TracedCommHook are pickled to the workers."""
+    out_dir = tmp_path_factory.mktemp("lightning-spawn")
+    _run([sys.executable, str(SCRIPTS / "lightning_train.py"), str(out_dir), "--spawn"], out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An Accelerate script under torchrun (c10d rendezvous on 127.0.0.1), uneven inputs in tensorplay's Join."""
+    out_dir = tmp_path_factory.mktemp("accelerate")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    _run([*torchrun, str(SCRIPTS / "accelerate_join.py"), str(out_dir)], out_dir)
+    return out_dir
+
+
+def test_lightning_traced_hook_trains_exactly_as_torchs_bf16_hook(lightning_run: Path) -> None:
+    for rank in RANKS:
+        traced_run = _parameters(lightning_run / f"rank{rank}-traced.pt")
+        assert _equal(traced_run, _parameters(lightning_run / f"rank{rank}-torch.pt"))
+        assert _equal(traced_run, _parameters(lightning_run / "rank0-traced.pt"))
+
+
+def test_lightning_every_rank_serves_its_metrics(lightning_run: Path) -> None:
+    for rank in RANKS:
+        samples = _served(lightning_run, rank)
+        assert _value(samples, "tensorplay_bucket_bytes_total", rank=str(rank), hook="bf16_compress_hook") > 0
+        assert _value(samples, "tensorplay_step_compute_seconds_count", rank=str(rank)) >= 3  # 4 steps, 1 bucket
+
+
+def _assert_unique_span_ids(out_dir: Path) -> None:
+    """Every rank's spans carry its own rank, and no trace or span ID repeats across ranks."""
+    seen: dict[str, int] = {}
+    for rank in RANKS:
+        spans = [json.loads(line) for line in (out_dir / f"spans-rank{rank}.jsonl").read_text().splitlines()]
+        assert len(spans) >= 4 and {s["name"] for s in spans} == {"tensorplay.comm_hook"}
+        assert {s["resource"]["attributes"]["tensorplay.rank"] for s in spans} == {rank}  # Lightning sets no RANK
+        assert {s["attributes"]["tensorplay.rank"] for s in spans} == {rank}
+        for span in spans:
+            for value in (span["context"]["span_id"], span["context"]["trace_id"]):
+                assert value not in seen, f"rank {rank} repeats an ID of rank {seen[value]}: {value}"
+                seen[value] = rank
+
+
+def test_lightning_spans_have_unique_ids_under_seed_everything(lightning_run: Path) -> None:
+    """The script calls seed_everything(0) before each fit, and Lightning reseeds every rank alike."""
+    _assert_unique_span_ids(lightning_run)
+
+
+def test_lightning_spawn_start_trains_traced_on_every_rank(lightning_spawn_run: Path, lightning_run: Path) -> None:
+    for rank in RANKS:
+        samples = _served(lightning_spawn_run, rank)
+        assert _value(samples, "tensorplay_bucket_bytes_total", rank=str(rank), hook="bf16_compress_hook") > 0
+        # same seed, model and data as the default launcher's runs: the same parameters
+        assert _equal(_parameters(lightning_spawn_run / f"rank{rank}-traced.pt"), _parameters(lightning_run / f"rank{rank}-torch.pt"))
+    _assert_unique_span_ids(lightning_spawn_run)  # the spawn launcher hands every worker the main process's seeds
+
+
+def test_lightning_callback_refuses_what_it_cannot_serve(lightning_spawn_run: Path) -> None:
+    refusals = json.loads((lightning_spawn_run / "refusals.json").read_text())
+    assert refusals["single device"].startswith("TypeError: TracedCommHook registers a DDP communication hook")
+    assert "SingleDeviceStrategy" in refusals["single device"]
+    assert refusals["not a DDP model"].startswith("TypeError: TracedCommHook: the strategy's model is a Linear")
+    assert refusals["strategy hook too"] == ["DDPStrategy(ddp_comm_hook=..., ddp_comm_wrapper=...) is set as well as TracedCommHook"]
+    assert refusals["bad option"] == "ValueError"
+
+
+def test_accelerate_under_torchrun_serves_every_ranks_join(accelerate_run: Path) -> None:
+    """Rank r had 3 + 2r batches: rank 0 shadowed rank 1's last 2 iterations."""
+    for rank in RANKS:
+        samples = _served(accelerate_run, rank)
+        assert _value(samples, "tensorplay_joins_total", rank=str(rank)) == 1
+        assert _value(samples, "tensorplay_join_shadow_iterations", rank=str(rank)) == 2 * (1 - rank)
+        assert _value(samples, "tensorplay_join_wait_seconds_count", rank=str(rank)) == 1
+        assert _value(samples, "tensorplay_join_last_joiner", rank=str(rank)) == rank
+        assert _value(samples, "tensorplay_bucket_bytes_total", rank=str(rank), hook="bf16_compress_hook") > 0
+    assert _equal(_parameters(accelerate_run / "rank0.pt"), _parameters(accelerate_run / "rank1.pt"))
+
+
+def test_importing_tensorplay_imports_no_framework() -> None:
+    probe = (
+        "import sys, tensorplay, tensorplay.telemetry, tensorplay.integrations, tensorplay.distributed.algorithms.join;"
+        "print(sorted({'pytorch_lightning', 'lightning', 'accelerate'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
