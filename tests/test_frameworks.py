@@ -65,7 +65,7 @@ def _equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
 
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Lightning's default launcher: a fit with torch's bf16 hook, then one with TracedCommHook."""
+    """Lightning's default launcher: fits with torch's bf16 hook, TracedCommHook(bf16), torch's PowerSGD."""
     out_dir = tmp_path_factory.mktemp("lightning")
     _run([sys.executable, str(SCRIPTS / "lightning_train.py"), str(out_dir)], out_dir)
     return out_dir
@@ -73,7 +73,7 @@ def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def lightning_spawn_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """DDPStrategy(start_method="spawn"): the Trainer and its TracedCommHook are pickled to the workers."""
+    """DDPStrategy(start_method="spawn"): the Trainer and its TracedCommHook(powerSGD_hook) go pickled to the workers."""
     out_dir = tmp_path_factory.mktemp("lightning-spawn")
     _run([sys.executable, str(SCRIPTS / "lightning_train.py"), str(out_dir), "--spawn"], out_dir)
     return out_dir
@@ -122,12 +122,15 @@ def test_lightning_spans_have_unique_ids_under_seed_everything(lightning_run: Pa
     _assert_unique_span_ids(lightning_run)
 
 
-def test_lightning_spawn_start_trains_traced_on_every_rank(lightning_spawn_run: Path, lightning_run: Path) -> None:
+def test_lightning_spawn_start_trains_traced_powersgd_exactly_as_torch(lightning_spawn_run: Path, lightning_run: Path) -> None:
+    """Under spawn the callback is pickled to the workers; PowerSGD's state is made in each of them."""
     for rank in RANKS:
         samples = _served(lightning_spawn_run, rank)
-        assert _value(samples, "tensorplay_bucket_bytes_total", rank=str(rank), hook="bf16_compress_hook") > 0
-        # same seed, model and data as the default launcher's runs: the same parameters
-        assert _equal(_parameters(lightning_spawn_run / f"rank{rank}-traced.pt"), _parameters(lightning_run / f"rank{rank}-torch.pt"))
+        assert _value(samples, "tensorplay_bucket_bytes_total", rank=str(rank), hook="powerSGD_hook") > 0
+        assert _value(samples, "tensorplay_compression_error_ratio_count", rank=str(rank), hook="powerSGD_hook") >= 1
+        traced_run = _parameters(lightning_spawn_run / f"rank{rank}-traced-powerSGD.pt")
+        assert _equal(traced_run, _parameters(lightning_run / f"rank{rank}-torch-powerSGD.pt"))
+        assert not _equal(traced_run, _parameters(lightning_run / f"rank{rank}-torch.pt"))  # another hook: not the same
     _assert_unique_span_ids(lightning_spawn_run)  # the spawn launcher hands every worker the main process's seeds
 
 
@@ -138,6 +141,7 @@ def test_lightning_callback_refuses_what_it_cannot_serve(lightning_spawn_run: Pa
     assert refusals["not a DDP model"].startswith("TypeError: TracedCommHook: the strategy's model is a Linear")
     assert refusals["strategy hook too"] == ["DDPStrategy(ddp_comm_hook=..., ddp_comm_wrapper=...) is set as well as TracedCommHook"]
     assert refusals["bad option"] == "ValueError"
+    assert refusals["state twice"] == "ValueError: TracedCommHook: give the hook's state or make_state, not both"
 
 
 def test_accelerate_under_torchrun_serves_every_ranks_join(accelerate_run: Path) -> None:

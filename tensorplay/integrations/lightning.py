@@ -9,7 +9,7 @@ figures. :class:`TracedCommHook` registers ``traced(hook)`` itself on the model 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 from opentelemetry import trace
@@ -28,16 +28,20 @@ class TracedCommHook(pl.Callback):
 
     The traced hook is built in each training process when fitting starts, after Lightning
     wrapped the model in ``DistributedDataParallel``; a fresh one for every ``fit``, so each DDP
-    model counts its own steps. The callback itself holds only ``hook``, ``state`` and the
-    options, so it pickles (``DDPStrategy(start_method="spawn")``) whenever they do: module-level
-    hooks, a ``PowerSGDState`` and ``error_every`` do; a ``TensorplayMetrics`` or tracer
-    provider does not, so under spawn let each process turn those on (``TENSORPLAY_METRICS_PORT``,
-    ``configure_tracing()`` in ``LightningModule.setup``).
+    model counts its own steps. The callback itself holds only the hook, the state (or what
+    makes it) and the options, so it pickles (``DDPStrategy(start_method="spawn")``) whenever
+    they do: module-level hooks, ``functools.partial`` and ``error_every`` do; a
+    ``TensorplayMetrics`` or a tracer provider does not, so under spawn let each process turn
+    those on (``TENSORPLAY_METRICS_PORT``, ``configure_tracing()`` in ``LightningModule.setup``).
 
     Arguments:
         hook: the communication hook, e.g. ``bf16_compress_hook`` or ``powerSGD_hook``.
         state: the hook's state, handed to ``register_comm_hook`` (``None``: the default
-            process group; a ``PowerSGDState`` for PowerSGD).
+            process group).
+        make_state: instead of ``state``, what builds it, called in each training process when
+            fitting starts: for a state that belongs to one model and cannot cross a spawn (a
+            ``PowerSGDState`` unpickles only where a process group exists), e.g.
+            ``functools.partial(PowerSGDState, process_group=None, matrix_approximation_rank=1)``.
         error_every, metrics, tracer_provider: as for :func:`~tensorplay.traced`.
 
     Example::
@@ -51,12 +55,16 @@ class TracedCommHook(pl.Callback):
         hook: Hook,
         state: Any = None,
         *,
+        make_state: Optional[Callable[[], Any]] = None,
         error_every: Optional[int] = None,
         metrics: Optional[TensorplayMetrics] = None,
         tracer_provider: Optional[trace.TracerProvider] = None,
     ) -> None:
+        if state is not None and make_state is not None:
+            raise ValueError("TracedCommHook: give the hook's state or make_state, not both")
         self.hook = hook
         self.state = state
+        self.make_state = make_state
         self.traced_options = {"error_every": error_every, "metrics": metrics, "tracer_provider": tracer_provider}
         traced(hook, **self.traced_options)  # refuse bad arguments here, where the Trainer is built
 
@@ -88,7 +96,8 @@ class TracedCommHook(pl.Callback):
                 f"DistributedDataParallel, so it takes no communication hook"
             )
         try:
-            model.register_comm_hook(self.state, traced(self.hook, **self.traced_options))
+            state = self.make_state() if self.make_state is not None else self.state
+            model.register_comm_hook(state, traced(self.hook, **self.traced_options))
         except RuntimeError as error:
             raise RuntimeError(
                 f"TracedCommHook could not register its hook ({error}); a communication hook may be "

@@ -1,10 +1,12 @@
 """A seeded Lightning script on 2 CPU processes: torch's bf16 hook, then tensorplay's, through TracedCommHook.
 
 ``python lightning_train.py OUT_DIR`` uses Lightning's default launcher, which starts rank 1 by
-running this script again, and fits twice in the same processes: first with torch's own
-``bf16_compress_hook`` (the reference), then with ``TracedCommHook(bf16_compress_hook)``.
-``python lightning_train.py OUT_DIR --spawn`` fits once, traced, with
-``DDPStrategy(start_method="spawn")``: the Trainer and its callbacks are pickled to the workers.
+running this script again, and fits three times in the same processes: with torch's own
+``bf16_compress_hook`` (the reference), with ``TracedCommHook(bf16_compress_hook)``, and with
+torch's ``powerSGD_hook`` (the reference for the spawn run).
+``python lightning_train.py OUT_DIR --spawn`` fits once with ``DDPStrategy(start_method="spawn")``:
+the Trainer and its callbacks are pickled to the workers, here
+``TracedCommHook(powerSGD_hook, make_state=...)``, whose state is made in each worker.
 Before that, in the main process, it writes how TracedCommHook refuses what it cannot serve to
 ``OUT_DIR/refusals.json``.
 
@@ -14,6 +16,7 @@ rank sets up tracing to ``OUT_DIR/spans-rank{r}.jsonl`` in ``LightningModule.set
 ``/metrics``, scraped over HTTP once training ended).
 """
 
+import functools
 import json
 import os
 import sys
@@ -29,13 +32,16 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.utils.data import DataLoader, TensorDataset
 
 from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from tensorplay.integrations.lightning import TracedCommHook
 from tensorplay.telemetry import configure_tracing, flush
 
 STEPS = 4
+POWERSGD = {"process_group": None, "matrix_approximation_rank": 1, "start_powerSGD_iter": 2}  # compresses steps 2 and 3
 
 
 def torch_bf16(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -46,8 +52,11 @@ def torch_bf16(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torc
 class TorchHook(pl.Callback):
     """The reference: torch's hook registered on the DDP model, as TracedCommHook does with its own."""
 
+    def __init__(self, hook: Any, make_state: Any = lambda: None) -> None:
+        self.hook, self.make_state = hook, make_state
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.strategy.model.register_comm_hook(None, torch_bf16)
+        trainer.strategy.model.register_comm_hook(self.make_state(), self.hook)
 
 
 class Regression(pl.LightningModule):
@@ -68,7 +77,7 @@ class Regression(pl.LightningModule):
 
     def on_fit_end(self) -> None:
         torch.save([p.detach().clone() for p in self.parameters()], f"{self.out_dir}/rank{self.global_rank}-{self.run}.pt")
-        if self.run == "traced":
+        if self.run.startswith("traced"):
             flush(30)
             port = int(os.environ["TENSORPLAY_METRICS_PORT"]) + int(os.environ["LOCAL_RANK"])
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
@@ -116,6 +125,7 @@ def check_refusals(out_dir: str) -> None:
         "not a DDP model": _refusal(lambda: TracedCommHook(bf16_compress_hook).on_fit_start(not_ddp, None)),
         "strategy hook too": [str(w.message).split(":")[0] for w in caught if issubclass(w.category, RuntimeWarning)],
         "bad option": _refusal(lambda: TracedCommHook(bf16_compress_hook, error_every=-1)).split(":")[0],
+        "state twice": _refusal(lambda: TracedCommHook(powerSGD_hook, state=0, make_state=int)),
     }
     Path(f"{out_dir}/refusals.json").write_text(json.dumps(refusals))
 
@@ -124,10 +134,14 @@ def main() -> None:
     out_dir = sys.argv[1]
     if "--spawn" in sys.argv:
         check_refusals(out_dir)
-        fit(out_dir, "traced", TracedCommHook(bf16_compress_hook), DDPStrategy(start_method="spawn"))
+        make_state = functools.partial(PowerSGDState, **POWERSGD)
+        traced_powersgd = TracedCommHook(powerSGD_hook, make_state=make_state, error_every=1)
+        fit(out_dir, "traced-powerSGD", traced_powersgd, DDPStrategy(start_method="spawn"))
     else:
-        fit(out_dir, "torch", TorchHook(), DDPStrategy())
+        fit(out_dir, "torch", TorchHook(torch_bf16), DDPStrategy())
         fit(out_dir, "traced", TracedCommHook(bf16_compress_hook), DDPStrategy())
+        torch_state = functools.partial(torch_powersgd.PowerSGDState, **POWERSGD)
+        fit(out_dir, "torch-powerSGD", TorchHook(torch_powersgd.powerSGD_hook, torch_state), DDPStrategy())
 
 
 if __name__ == "__main__":
