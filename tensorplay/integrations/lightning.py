@@ -95,8 +95,8 @@ class TracedCommHook(pl.Callback):
                 f"TracedCommHook: the strategy's model is a {type(model).__name__}, not a "
                 f"DistributedDataParallel, so it takes no communication hook"
             )
+        state = self.make_state() if self.make_state is not None else self.state
         try:
-            state = self.make_state() if self.make_state is not None else self.state
             model.register_comm_hook(state, traced(self.hook, **self.traced_options))
         except RuntimeError as error:
             raise RuntimeError(

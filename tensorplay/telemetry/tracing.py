@@ -73,7 +73,7 @@ def tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
     Python's ``random``: a tracer on the SDK's default generator gets
     :class:`SystemRandomIdGenerator` instead (a generator the application chose is kept).
     """
-    found = (provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME, __version__)
+    found = (provider if provider is not None else trace.get_tracer_provider()).get_tracer(TRACER_NAME, __version__)
     if _draws_from_random(found):
         found.id_generator = _SYSTEM_IDS  # type: ignore[attr-defined]  # an SDK Tracer's public attribute
     return found
