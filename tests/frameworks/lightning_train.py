@@ -21,8 +21,8 @@ import json
 import os
 import sys
 import types
-import warnings
 import urllib.request
+import warnings
 from pathlib import Path
 from typing import Any
 
