@@ -1,7 +1,7 @@
 """tensorplay inside PyTorch Lightning and Hugging Face Accelerate, as their users run it: 2 CPU processes, gloo.
 
-The scripts under ``tests/frameworks/`` are ordinary user scripts; each test module fixture runs
-one of them once, with the framework's own launcher (Lightning's default launcher and its spawn
+The scripts under ``tests/frameworks/`` are ordinary user scripts; this module runs each once,
+all side by side, with the framework's own launcher (Lightning's default launcher and its spawn
 launcher) or torchrun, and the tests read what the ranks left behind: final parameters, span
 files, and each rank's own ``/metrics`` as it served them over HTTP.
 """
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -23,22 +25,92 @@ from .ranks import free_base_port, free_port
 SCRIPTS = Path(__file__).parent / "frameworks"
 ROOT = Path(__file__).parent.parent
 RANKS = (0, 1)
+IMPORTS_PROBE = (
+    "import sys, tensorplay, tensorplay.telemetry, tensorplay.integrations, tensorplay.distributed.algorithms.join;"
+    "print(sorted({'pytorch_lightning', 'lightning', 'accelerate'} & set(sys.modules)))"
+)
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def _run(command: list[str], out_dir: Path, timeout: float = 240) -> None:
-    """Run a user script to completion with metrics on (the torchrun way) and gloo on 127.0.0.1."""
-    env = dict(os.environ)
-    env.update(
-        TENSORPLAY_METRICS_PORT=str(free_base_port(2)),
-        TENSORPLAY_METRICS_ADDR="127.0.0.1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        GLOO_SOCKET_IFNAME="lo",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-    )
-    done = subprocess.run(command, cwd=out_dir, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{command} exited {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+class _Run:
+    """A user script started in its own directory, with metrics on (the torchrun way) and gloo on 127.0.0.1.
+
+    The scripts start together and run side by side (their imports alone take seconds per
+    process); each test waits only for the one it reads. It runs in a session of its own, so
+    whatever it launched (Lightning's rank 1, spawn workers, torchrun's ranks) goes with it if a
+    test ends before it does.
+    """
+
+    def __init__(self, command: list[str], out_dir: Path, ports: set[int]) -> None:
+        env = dict(os.environ)
+        env.update(
+            TENSORPLAY_METRICS_PORT=str(_unused(ports, lambda: free_base_port(2), span=2)),
+            TENSORPLAY_METRICS_ADDR="127.0.0.1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_unused(ports, free_port)),
+            GLOO_SOCKET_IFNAME="lo",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        )
+        self.command, self.out_dir = command, out_dir
+        with open(out_dir / "stdout.txt", "w") as stdout, open(out_dir / "stderr.txt", "w") as stderr:
+            self.process = subprocess.Popen(command, cwd=out_dir, env=env, stdout=stdout, stderr=stderr,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def finished(self, timeout: float = 300) -> Path:
+        """Wait for the script and return its directory; a bad exit or a hang fails the test."""
+        try:
+            returncode = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            returncode = None
+        output = (self.out_dir / "stdout.txt").read_text()[-4000:] + (self.out_dir / "stderr.txt").read_text()[-8000:]
+        assert returncode == 0, f"{self.command} exited {returncode}\n{output}"
+        return self.out_dir
+
+    def stop(self) -> None:
+        """End the script's session: the script, and anything it launched that is still there."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+def _unused(taken: set[int], pick: Any, span: int = 1) -> int:
+    """A free port (or ``span`` consecutive ones) that no other script of this module was given."""
+    while True:
+        port = pick()
+        if taken.isdisjoint(range(port, port + span)):
+            taken.update(range(port, port + span))
+            return port
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Run]]:
+    """Start every script of this module at once."""
+    ports: set[int] = set()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_unused(ports, free_port)}"]
+    script = [sys.executable, str(SCRIPTS / "lightning_train.py")]
+    commands: dict[str, Callable[[str], list[str]]] = {
+        # Lightning's default launcher: fits with torch's bf16 hook, TracedCommHook(bf16), torch's PowerSGD.
+        "lightning": lambda out_dir: [*script, out_dir],
+        # DDPStrategy(start_method="spawn"): the Trainer and its TracedCommHook(powerSGD_hook) go pickled.
+        "lightning-spawn": lambda out_dir: [*script, out_dir, "--spawn"],
+        # Accelerate under torchrun (c10d rendezvous on 127.0.0.1), uneven inputs in tensorplay's Join.
+        "accelerate": lambda out_dir: [*torchrun, str(SCRIPTS / "accelerate_join.py"), out_dir],
+        # Which frameworks importing tensorplay (its integrations package too) pulls in: none.
+        "imports": lambda out_dir: [sys.executable, "-c", IMPORTS_PROBE],
+    }
+    started = {}
+    try:
+        for name, command in commands.items():
+            out_dir = tmp_path_factory.mktemp(name)
+            started[name] = _Run(command(str(out_dir)), out_dir, ports)
+        yield started
+    finally:
+        for run in started.values():
+            run.stop()
 
 
 def _served(out_dir: Path, rank: int) -> Samples:
@@ -64,29 +136,18 @@ def _equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Lightning's default launcher: fits with torch's bf16 hook, TracedCommHook(bf16), torch's PowerSGD."""
-    out_dir = tmp_path_factory.mktemp("lightning")
-    _run([sys.executable, str(SCRIPTS / "lightning_train.py"), str(out_dir)], out_dir)
-    return out_dir
+def lightning_run(runs: dict[str, _Run]) -> Path:
+    return runs["lightning"].finished()
 
 
 @pytest.fixture(scope="module")
-def lightning_spawn_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """DDPStrategy(start_method="spawn"): the Trainer and its TracedCommHook(powerSGD_hook) go pickled to the workers."""
-    out_dir = tmp_path_factory.mktemp("lightning-spawn")
-    _run([sys.executable, str(SCRIPTS / "lightning_train.py"), str(out_dir), "--spawn"], out_dir)
-    return out_dir
+def lightning_spawn_run(runs: dict[str, _Run]) -> Path:
+    return runs["lightning-spawn"].finished()
 
 
 @pytest.fixture(scope="module")
-def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An Accelerate script under torchrun (c10d rendezvous on 127.0.0.1), uneven inputs in tensorplay's Join."""
-    out_dir = tmp_path_factory.mktemp("accelerate")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
-    _run([*torchrun, str(SCRIPTS / "accelerate_join.py"), str(out_dir)], out_dir)
-    return out_dir
+def accelerate_run(runs: dict[str, _Run]) -> Path:
+    return runs["accelerate"].finished()
 
 
 def test_lightning_traced_hook_trains_exactly_as_torchs_bf16_hook(lightning_run: Path) -> None:
@@ -156,13 +217,6 @@ def test_accelerate_under_torchrun_serves_every_ranks_join(accelerate_run: Path)
     assert _equal(_parameters(accelerate_run / "rank0.pt"), _parameters(accelerate_run / "rank1.pt"))
 
 
-def test_importing_tensorplay_imports_no_framework() -> None:
-    probe = (
-        "import sys, tensorplay, tensorplay.telemetry, tensorplay.integrations, tensorplay.distributed.algorithms.join;"
-        "print(sorted({'pytorch_lightning', 'lightning', 'accelerate'} & set(sys.modules)))"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
-
+def test_importing_tensorplay_imports_no_framework(runs: dict[str, _Run]) -> None:
+    out_dir = runs["imports"].finished()
+    assert (out_dir / "stdout.txt").read_text().strip() == "[]"
