@@ -41,6 +41,7 @@ PARTS = {
     "compression figures, all": ("figures.py", "compression_figures"),
     "  of which the non-finite check": ("figures.py", "nonfinite_counts"),
     "start of the record": ("traced.py", "_start_record"),
+    "which model the bucket is from": ("models.py", "of"),
     "collective bookkeeping": ("recorder.py", "collective_launching"),
     "following the future": ("recorder.py", "follow"),
 }

@@ -331,3 +331,128 @@ def test_an_applications_own_metrics_keep_their_created_series() -> None:
     assert "tensorplay_joins_created" not in text
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         TensorplayMetrics(shared)  # registering twice is still refused, as prometheus_client does
+
+
+# --- a slow span processor, told apart from a busy machine ---------------------------------------
+
+
+class _QuickSpan:
+    def end(self, *args: Any) -> None:
+        pass
+
+
+def test_only_a_slow_span_processor_is_called_slow(caplog: pytest.LogCaptureFixture) -> None:
+    from tensorplay.telemetry import spans
+
+    caplog.set_level("DEBUG", logger="tensorplay.telemetry.spans")
+    stuck = _BlockingSpan()
+    ender = SpanEnder(budget_s=0.05)
+    ender.submit(SpanEnd(stuck))  # type: ignore[arg-type]
+    assert stuck.entered.wait(10)
+    threading.Event().wait(spans.SLOW_END_S)  # the end() has been running this long
+    waiting = SpanEnd(_QuickSpan())  # type: ignore[arg-type]
+    ender.submit(waiting)
+    ender.wait_briefly(waiting)
+    stuck.release.set()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "rank 0: the span processor is slow: ending one span has taken" in warned[0]
+
+
+def test_a_busy_machine_is_not_called_a_slow_span_processor(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("DEBUG", logger="tensorplay.telemetry.spans")
+    healthy = SpanEnder(budget_s=0.0)  # a waiter that gets no time at all: a busy machine
+    for _ in range(3):
+        job = SpanEnd(_QuickSpan())  # type: ignore[arg-type]
+        healthy.submit(job)
+        healthy._no_wait_until = 0.0  # wait each time, past the cool-down
+        healthy.wait_briefly(job)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert healthy.late_waits >= 1  # each run-out wait is counted and logged at debug level
+
+
+# --- a collective whose launch raises -----------------------------------------------------------
+
+
+def test_a_collective_that_fails_to_launch_is_not_left_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from tensorplay.distributed.algorithms.ddp_comm_hooks import _common
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("gloo: connection closed by peer")
+
+    monkeypatch.setattr(_common, "dist", types.SimpleNamespace(all_reduce=refuse))
+    metrics = TensorplayMetrics(CollectorRegistry())
+    record = _record(metrics)
+    with pytest.raises(RuntimeError, match="connection closed"):
+        _common.allreduce_future(torch.ones(4), None, record)  # type: ignore[arg-type]
+    assert metrics.collectives_in_flight.in_flight("0") == 0
+    assert metrics.registry.get_sample_value("tensorplay_collective_waiting_since_timestamp_seconds", {"rank": "0"}) == 0
+    assert isinstance(record.error, RuntimeError) and not record.failures
+
+
+# --- the metrics endpoint: scrapes complete once sent, idle connections are closed --------------
+
+
+def test_a_scrape_completes_only_once_its_body_is_sent() -> None:
+    import socket
+
+    from prometheus_client.core import GaugeMetricFamily
+
+    from tensorplay.telemetry.server import MetricsServer
+
+    class Big:
+        def collect(self) -> Any:
+            yield GaugeMetricFamily("big", "x" * 16_000_000, value=1)  # far more than socket buffers hold
+
+    registry = CollectorRegistry()
+    registry.register(Big())
+    server = MetricsServer(registry, "127.0.0.1", 0)
+    try:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        client.connect(server.address)
+        client.sendall(b"GET /metrics HTTP/1.0\r\nX-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n")
+        client.settimeout(10)
+        received = len(client.recv(65536))  # the answer has begun
+        threading.Event().wait(0.5)  # a slow reader: the server is still writing the body
+        completed_before_read = server.scrapes.seen()
+        while chunk := client.recv(1 << 20):
+            received += len(chunk)
+        client.close()
+        completed_once_read = _eventually(lambda: server.scrapes.seen() == 1)
+    finally:
+        server.close()
+    assert received > 16_000_000
+    assert completed_before_read == 0
+    assert completed_once_read
+
+
+def _eventually(check: Any, timeout_s: float = 5.0) -> bool:
+    pause = threading.Event()
+    for _ in range(int(timeout_s / 0.05)):
+        if check():
+            return True
+        pause.wait(0.05)
+    return bool(check())
+
+
+def test_an_idle_connection_is_closed_by_the_server(capfd: pytest.CaptureFixture) -> None:
+    import socket
+    import time
+
+    from tensorplay.telemetry import server as server_module
+
+    assert 10 <= server_module.REQUEST_TIMEOUT_S <= 30  # docs/telemetry.md
+    server = server_module.MetricsServer(CollectorRegistry(), "127.0.0.1", 0, request_timeout_s=0.5)
+    try:
+        idle = socket.create_connection(server.address)
+        idle.settimeout(10)
+        started = time.monotonic()
+        assert idle.recv(1) == b""  # closed by the server: it sent nothing and will send nothing
+        waited = time.monotonic() - started
+        idle.close()
+    finally:
+        server.close()
+    assert waited < 5
+    assert "Traceback" not in capfd.readouterr().err  # a timed-out client is no news on stderr

@@ -1,5 +1,6 @@
 """traced(hook): same gradients, and every contract attribute and metric with the right value."""
 
+import functools
 import socket
 import urllib.error
 import urllib.request
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.algorithms.ddp_comm_hooks.default_hooks
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -292,6 +294,70 @@ def test_traced_keeps_wrapped_and_doc_and_is_named_for_ddp() -> None:
     assert tensorplay.traced is traced
     wrapped = traced(default_hooks.bf16_compress_wrapper(default_hooks.fp16_compress_hook))
     assert wrapped.__name__ == "traced(bf16_compress_wrapper(fp16_compress_hook))"
+
+
+def _module_level_user_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A user's own hook, defined at module level as spawn needs."""
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+class _OneBucket:
+    """Enough of a GradBucket for a traced hook with no process group: buffer, index, last."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.ones(4)
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list:
+        return []
+
+
+@pytest.mark.parametrize(
+    "hook, name",
+    [
+        (default_hooks.bf16_compress_hook, "bf16_compress_hook"),
+        (torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook, "fp16_compress_hook"),
+        (_module_level_user_hook, "_module_level_user_hook"),
+        (functools.partial(default_hooks.allreduce_hook), "allreduce_hook"),
+        (traced(default_hooks.allreduce_hook), "allreduce_hook"),
+    ],
+)
+def test_a_traced_hook_pickles_and_copies_to_an_equivalent_one(hook: Any, name: str) -> None:
+    import copy
+    import inspect
+    import pickle
+
+    from tensorplay.telemetry.models import ModelsOfHook
+
+    metrics = TensorplayMetrics(CollectorRegistry())
+    original = traced(hook, error_every=3, metrics=metrics)
+    original._models.of(_OneBucket()).step = 7  # type: ignore[attr-defined]  # as if it had trained
+    for copied, keeps_metrics in ((pickle.loads(pickle.dumps(original)), False), (copy.deepcopy(original), True)):
+        assert copied.__name__ == copied.__qualname__ == f"traced({name})"
+        assert copied.__doc__ == original.__doc__ and copied.__doc__ is not None
+        assert hook_name(copied) == name and reports_collectives(copied) == reports_collectives(original)
+        assert list(inspect.signature(copied).parameters)[1] == "bucket"  # what DDP checks
+        assert copied._error_every == 3  # type: ignore[attr-defined]
+        assert (copied._metrics is metrics) == keeps_metrics  # type: ignore[attr-defined]
+        models = copied._models  # type: ignore[attr-defined]
+        assert isinstance(models, ModelsOfHook) and models.count() == 0  # fresh counts
+        wrapped = copied.__wrapped__
+        assert hook_name(wrapped) == hook_name(hook) and getattr(wrapped, "__name__", None) == getattr(hook, "__name__", None)
+
+
+def test_a_traced_closure_does_not_pickle_as_torchs_wrappers_do_not() -> None:
+    import pickle
+
+    with pytest.raises((pickle.PicklingError, AttributeError), match="Can't pickle .*fp16_compress_wrapper_hook"):
+        pickle.dumps(traced(default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)))
 
 
 def test_traced_rejects_bad_arguments() -> None:

@@ -281,12 +281,79 @@ def soak(rank: int) -> dict:
     }
 
 
+# --- one traced hook on two DDP models -----------------------------------------------------------
+
+TWO_MODEL_STEPS = 4
+
+
+def _train_two_models(rank: int, hook: Any, one_backward: bool) -> list[torch.Tensor]:
+    """Two DDP models (state None for both) sharing ``hook``; their parameters after training."""
+    first = DDP(make_model(seed=1), bucket_cap_mb=BUCKET_CAP_MB)
+    second = DDP(make_model(seed=2), bucket_cap_mb=BUCKET_CAP_MB)
+    for model in (first, second):
+        model.register_comm_hook(None, hook)
+    optimizer = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    for step in range(TWO_MODEL_STEPS):
+        optimizer.zero_grad()
+        batch = rank_batch(rank, step)
+        if one_backward:  # a generator feeding its discriminator: both reduce in one backward
+            second(first(batch)).square().mean().backward()
+        else:  # teacher, then student: one model's backward fully, then the other's
+            first(batch).square().mean().backward()
+            second(batch).square().mean().backward()
+        optimizer.step()
+    return [p.detach().clone() for p in (*first.parameters(), *second.parameters())]
+
+
+def two_models(rank: int) -> dict:
+    outcome: dict[str, Any] = {}
+    for one_backward in (False, True):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        metrics = TensorplayMetrics(CollectorRegistry())
+        hook = traced(default_hooks.fp16_compress_hook, error_every=2, metrics=metrics, tracer_provider=provider)
+        traced_params = _train_two_models(rank, hook, one_backward)
+        assert flush(30)
+        plain_params = _train_two_models(rank, default_hooks.fp16_compress_hook, one_backward)
+        calls: dict[int, list[tuple[int, bool]]] = {}
+        for span in exporter.get_finished_spans():
+            attributes = span.attributes
+            calls.setdefault(attributes.get(Attr.MODEL, 0), []).append(
+                (attributes[Attr.STEP], Attr.COMPRESSION_RELATIVE_ERROR in attributes)
+            )
+        registry = metrics.registry
+        outcome["one backward" if one_backward else "one backward each"] = {
+            "bitwise equal": all(
+                torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(traced_params, plain_params)
+            ),
+            "steps": {model: sorted({step for step, _ in c}) for model, c in calls.items()},
+            "sampled": {model: sorted({step for step, sampled in c if sampled}) for model, c in calls.items()},
+            "unsampled": {model: sorted({step for step, sampled in c if not sampled}) for model, c in calls.items()},
+            "buckets per step": {
+                model: [sum(step == s for s, _ in c) for step in range(1, TWO_MODEL_STEPS)] for model, c in calls.items()
+            },
+            "spans": {model: len(c) for model, c in calls.items()},
+            "latency counts": [
+                registry.get_sample_value(
+                    "tensorplay_allreduce_latency_seconds_count", {"rank": str(rank), "hook": label}
+                )
+                for label in ("fp16_compress_hook", "fp16_compress_hook#1")
+            ],
+            "compute observations": registry.get_sample_value(
+                "tensorplay_step_compute_seconds_count", {"rank": str(rank)}
+            ),
+        }
+    return outcome
+
+
 def all_scenarios(rank: int, world_size: int) -> dict:
     return {
         "powersgd": powersgd_latency(rank),
         "stuck exporter": stuck_exporter(rank),
         "failures": failing_spans(rank),
         "soak": soak(rank),
+        "two models": two_models(rank),
     }
 
 
@@ -358,3 +425,18 @@ def test_soak_keeps_objects_and_pending_records_flat(outcomes: list[dict]) -> No
         assert max(result["pending"]) <= 4, result["pending"]
         assert result["exported"] == SOAK_STEPS
         assert result["in flight"] == 0 and result["waiting since"] == 0.0
+
+
+@pytest.mark.parametrize("interleaving", ["one backward each", "one backward"])
+def test_one_traced_hook_on_two_models_counts_each_models_steps(outcomes: list[dict], interleaving: str) -> None:
+    every_step = list(range(TWO_MODEL_STEPS))
+    for outcome in outcomes:
+        result = outcome["two models"][interleaving]
+        assert result["bitwise equal"]
+        assert result["steps"] == {0: every_step, 1: every_step}, "each model's steps run 0..N-1"
+        assert result["sampled"] == {0: [0, 2], 1: [0, 2]}, "error_every=2 samples both models"
+        assert result["unsampled"] == {0: [1, 3], 1: [1, 3]}
+        for model, per_step in result["buckets per step"].items():  # every bucket found its model
+            assert len(set(per_step)) == 1 and per_step[0] >= 3, (model, per_step)
+        assert result["latency counts"] == [result["spans"][0], result["spans"][1]]  # hook="<name>", "<name>#1"
+        assert result["compute observations"] == TWO_MODEL_STEPS - 1  # the first model's iterations

@@ -42,6 +42,7 @@ class RankStateWriter:
         self._activity_unix = time.time()
         self._last_seen: tuple[Any, ...] = ()
         self._stop = threading.Event()
+        self._writing = threading.Lock()  # the thread and finished() on the training thread both write
         self._thread = threading.Thread(target=self._run, name="tensorplay-demo-state", daemon=True)
         self._thread.start()
 
@@ -60,6 +61,10 @@ class RankStateWriter:
             self._write()
 
     def _write(self) -> None:
+        with self._writing:
+            self._write_now()
+
+    def _write_now(self) -> None:
         rank = str(self._rank)
         waiting = self._metrics.collectives_in_flight.oldest(rank)
         last_hook = self._metrics.registry.get_sample_value(Metric.LAST_STEP_TIMESTAMP, {"rank": rank})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +67,23 @@ class RunDir:
 
 
 def write_json(path: Path, value: Any) -> None:
-    """Replace ``path`` with ``value`` atomically, so a reader never sees half a file."""
-    partial = path.with_name(path.name + ".partial")
+    """Replace ``path`` with ``value`` atomically, so a reader never sees half a file.
+
+    The temporary file is this process's and thread's own, so two writers of one path never
+    write into, or move, each other's half-written file: the last replace wins, whole.
+    """
+    partial = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     partial.write_text(json.dumps(value), encoding="utf-8")
     os.replace(partial, path)
 
 
 def read_json(path: Path) -> Any | None:
-    """Return the JSON value at ``path``, or None if it is not there (yet)."""
+    """Return the JSON value at ``path``, or None if it is not there (yet) or cannot be read whole.
+
+    Pollers call it again on their next tick, so a file that is missing or torn (written by
+    something other than :func:`write_json`) costs them one tick, never their thread.
+    """
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    except (OSError, ValueError):
         return None

@@ -158,7 +158,9 @@ def enable_metrics(
             pass ``prometheus_client.REGISTRY`` with ``serve=False`` to use your own endpoint).
         serve: start the HTTP endpoint. A port that is taken gives a warning, is counted in
             ``tensorplay_telemetry_errors_total{reason="metrics_port_unavailable"}``, and training
-            goes on with metrics collected but not served.
+            goes on with metrics collected but not served. So does a port that is no port (not a
+            whole number, or outside 0-65535 once ``LOCAL_RANK`` is added), counted as
+            ``reason="metrics_port_invalid"``; the warning names the value and where it came from.
 
     Calling it again returns the metrics already enabled.
     """
@@ -168,24 +170,61 @@ def enable_metrics(
             return _active
         metrics = TensorplayMetrics(registry)
         if serve:
-            base = port if port is not None else int(os.environ.get(PORT_ENV, DEFAULT_METRICS_PORT))
-            bind = addr if addr is not None else os.environ.get(ADDR_ENV, DEFAULT_METRICS_ADDR)
-            real_port = base + int(os.environ.get("LOCAL_RANK", "0"))
-            try:
-                _server = MetricsServer(metrics.registry, bind, real_port)
-            except OSError as error:
-                warnings.warn(
-                    f"tensorplay: cannot serve metrics on {bind}:{real_port} ({error}); "
-                    "training goes on, metrics are collected but not served",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                metrics.count_error(_rank(), "metrics_port_unavailable")
+            _server = _serve(metrics, port, addr)
         # In no collective yet: the series exists from the start, so a rank stuck before its
         # first collective is still seen as outside one.
         metrics.collective_waiting_since.labels(rank=rank_label()).set(0)
         _active = metrics
     return metrics
+
+
+def _serve(metrics: TensorplayMetrics, port: int | None, addr: str | None) -> MetricsServer | None:
+    """Start the endpoint on ``port + LOCAL_RANK``; warn, count and return None where that cannot be."""
+    bind = addr if addr is not None else (os.environ.get(ADDR_ENV) or DEFAULT_METRICS_ADDR)
+    real_port, problem = _port_to_serve(port)
+    if real_port is None:
+        _warn_not_served(f"{problem}; use a port in 1-65535", metrics, "metrics_port_invalid")
+        return None
+    try:
+        return MetricsServer(metrics.registry, bind, real_port)
+    except (OSError, OverflowError) as error:
+        _warn_not_served(f"cannot serve metrics on {bind}:{real_port} ({error})", metrics, "metrics_port_unavailable")
+        return None
+
+
+def _port_to_serve(port: int | None) -> tuple[int | None, str]:
+    """The port this rank serves on (base + LOCAL_RANK), or None and what is wrong with it."""
+    if port is not None:
+        base, source = port, f"port={port!r}"
+    else:
+        raw = (os.environ.get(PORT_ENV) or "").strip()
+        base, source = (_whole_number(raw), f"{PORT_ENV}={os.environ.get(PORT_ENV)!r}") if raw else (DEFAULT_METRICS_PORT, "")
+    if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base <= 65535:
+        return None, f"{source} is not a port number"
+    local_rank = _whole_number(os.environ.get("LOCAL_RANK", "0").strip() or "0")
+    if local_rank is None:
+        return None, f"LOCAL_RANK={os.environ.get('LOCAL_RANK')!r} is not a whole number"
+    if base + local_rank > 65535:
+        given = f"{source} + " if source else f"the default {base} + "
+        return None, f"port {base + local_rank} ({given}LOCAL_RANK={local_rank}) is above 65535"
+    return base + local_rank, ""
+
+
+def _whole_number(text: str) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def _warn_not_served(problem: str, metrics: TensorplayMetrics, reason: str) -> None:
+    warnings.warn(
+        f"tensorplay: {problem}; training goes on, metrics are collected but not served",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    metrics.count_error(_rank(), reason)
 
 
 def disable_metrics() -> None:
@@ -203,7 +242,7 @@ def active_metrics() -> TensorplayMetrics | None:
     global _env_checked
     if _active is None and not _env_checked:
         _env_checked = True
-        if os.environ.get(PORT_ENV):
+        if (os.environ.get(PORT_ENV) or "").strip():
             try:
                 enable_metrics()
             except Exception:  # a bad environment value must not stop training
@@ -234,6 +273,25 @@ def wait_for_final_scrape(timeout_s: float | None = None) -> bool:
 def served_address() -> tuple[str, int] | None:
     """Return the (host, port) the endpoint listens on, or None when nothing is served."""
     return _server.address if _server is not None else None
+
+
+def _forget_the_parents_metrics() -> None:
+    """In a forked child: start as a fresh process would, with metrics off and no endpoint.
+
+    The parent's server thread did not come along, so its server object serves nothing; its
+    listening socket is closed here so the child does not hold the parent's port. The child turns
+    metrics on again as any process does (``enable_metrics``, or ``TENSORPLAY_METRICS_PORT``).
+    """
+    global _lock, _active, _server, _env_checked
+    _lock = threading.Lock()
+    if _server is not None:
+        _server.abandon()
+    _active = None
+    _server = None
+    _env_checked = False
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_metrics)
 
 
 def _rank() -> int:

@@ -35,6 +35,7 @@ class Attr:
     JOIN_SHADOW_ITERATIONS = "tensorplay.join.shadow_iterations"
     JOIN_WAIT_MS = "tensorplay.join.wait_ms"
     JOIN_LAST_JOINER = "tensorplay.join.last_joiner"
+    MODEL = "tensorplay.model"
 
 
 class Metric:

@@ -56,6 +56,9 @@ class HookRecorder(Protocol):
     def collective_launched(self, token: Any, future: torch.futures.Future) -> None:
         """Note the future of the collective announced by ``token``."""
 
+    def collective_not_launched(self, token: Any, error: BaseException) -> None:
+        """Note that launching the collective announced by ``token`` raised ``error``: it is not in flight."""
+
     def wants_compression_error(self) -> bool:
         """Whether this call samples the exact compression error (it costs a pass over the bucket)."""
 

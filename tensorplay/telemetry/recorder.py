@@ -78,8 +78,13 @@ class BucketRecord:
         metrics: TensorplayMetrics | None,
         previous_step_end: CollectiveEnds | None,
         on_collective_end: Callable[[Stamp, Callable[[], None]], None],
+        model: int = 0,
     ) -> None:
         self.hook = hook
+        self.model = model
+        """Which of the DDP models the traced hook serves this bucket is from (0: the first)."""
+        self.hook_label = hook if model == 0 else f"{hook}#{model}"
+        """The ``hook`` label of the metrics: the hook name, with ``#<model>`` from the second model on."""
         self.reports_collectives = reports_collectives
         self.step = step
         self.rank = rank
@@ -133,6 +138,19 @@ class BucketRecord:
             future.add_done_callback(functools.partial(self._collective_done, token))
         except Exception:
             self.note_failure("collective_launched")
+
+    def collective_not_launched(self, token: int, error: BaseException) -> None:
+        if token < 0:
+            return
+        try:
+            self.error = self.error or error
+            self.ends.stamps[token] = stamp(self.device)
+            in_flight = self._in_flight[token]
+            self._in_flight[token] = None
+            if in_flight is not None and self.metrics is not None:
+                self.metrics.collectives_in_flight.completed(self.rank_label, in_flight)
+        except Exception:
+            self.note_failure("collective_not_launched")
 
     def wants_compression_error(self) -> bool:
         return self.sample_error

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -55,6 +56,19 @@ class Resolver:
         self._ender = SpanEnder()
         self._watcher = EventWatcher()
         self._exit_flush_registered = False
+
+    def start_afresh(self) -> None:
+        """Forget every pending call and the threads: what a forked child must do.
+
+        The parent's calls will never complete in the child and its threads did not come along;
+        a lock the parent held at the fork would stay held for good. So the child gets a new
+        count, condition, span ender and event watcher, as a fresh process would. The exit flush
+        registered in the parent still runs, on this same object.
+        """
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._ender = SpanEnder()
+        self._watcher = EventWatcher()
 
     def started(self) -> None:
         """Count one traced call as pending (call it once its record exists)."""
@@ -208,6 +222,7 @@ def span_attributes(record: BucketRecord, outcome: Outcome) -> dict[str, object]
         Attr.COMPRESSION_NONFINITE: outcome.nonfinite,
         Attr.ALLREDUCE_LATENCY_MS: outcome.latency_s * 1e3,
         Attr.ALLREDUCE_COUNT: outcome.collectives,
+        Attr.MODEL: record.model,
     }
     if record.stages:
         attributes[Attr.COMPRESSION_DTYPE] = "+".join(stage.kind for stage in record.stages)
@@ -222,7 +237,7 @@ def observe(record: BucketRecord, outcome: Outcome) -> None:
     metrics = record.metrics
     if metrics is None:
         return
-    rank, hook = record.rank_label, record.hook
+    rank, hook = record.rank_label, record.hook_label
     metrics.allreduce_latency.labels(rank=rank, hook=hook).observe(outcome.latency_s, _exemplar(record.span))
     metrics.bucket_bytes.labels(rank=rank, hook=hook).inc(record.bytes)
     metrics.wire_bytes.labels(rank=rank, hook=hook).inc(outcome.wire_bytes)
@@ -251,6 +266,9 @@ def _exemplar(span: OwnedSpan) -> dict[str, str] | None:
 
 
 _resolver = Resolver()
+
+
+os.register_at_fork(after_in_child=_resolver.start_afresh)
 
 
 def resolver() -> Resolver:

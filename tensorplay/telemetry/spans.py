@@ -22,6 +22,13 @@ __all__ = ["OwnedSpan", "SpanEnd", "SpanEnder"]
 
 _logger = logging.getLogger(__name__)
 
+SLOW_END_S = 0.1
+"""An ``end()`` this long means a span processor that exports in line to somewhere slow (a healthy
+batch processor only enqueues, in microseconds; a busy machine delays a thread by milliseconds)."""
+
+BACKLOG = 256
+"""This many spans waiting to be ended means the processor does not keep up."""
+
 
 class OwnedSpan:
     """A started span that tensorplay ends exactly once, whatever happens in between."""
@@ -93,6 +100,10 @@ class SpanEnder:
     out, callers stop waiting for a cool-down that doubles up to a minute, so a span processor
     that hangs costs training at most one budget per cool-down. When the queue is full the span
     is dropped and counted: memory stays bounded while the processor is stuck.
+
+    A wait that runs out warns only when the ender's thread measured a slow processor (an
+    ``end()`` running or done in ``SLOW_END_S`` or more, or ``BACKLOG`` spans queued); a wait that
+    ran out because the machine is busy (the thread had not run yet) is logged at debug level.
     """
 
     def __init__(
@@ -108,6 +119,12 @@ class SpanEnder:
         self._no_wait_until = 0.0
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._ending_since: float | None = None
+        """When the ``end()`` running on the ender's thread began (monotonic), None between ends."""
+        self._slowest_end_s = 0.0
+        """The longest ``end()`` since the last wait that ran out."""
+        self.late_waits = 0
+        """Waits that ran out although the processor was not measured slow (a busy machine)."""
 
     def submit(self, job: SpanEnd) -> bool:
         """Queue ``job``; False if the queue is full (``job.dropped`` then ``job.then`` are called)."""
@@ -126,9 +143,37 @@ class SpanEnder:
             return
         if job.done.wait(self._budget_s):
             return
-        self._no_wait_until = time.monotonic() + self._cooldown_s
+        slow = self._slowness()
+        cooldown_s = self._cooldown_s
+        self._no_wait_until = time.monotonic() + cooldown_s
         self._cooldown_s = min(self._cooldown_s * 2, self._max_cooldown_s)
-        _logger.warning("tensorplay: spans are ending late (a slow span processor?); training does not wait for them")
+        if slow is None:
+            self.late_waits += 1
+            _logger.debug(
+                "tensorplay: stopped waiting for a span to end after %.3f s; its processor is not slow "
+                "(the ender's thread had not got to it yet)", self._budget_s,
+            )
+            return
+        from .metrics import rank_label  # the rank is only needed for this rare message
+
+        _logger.warning(
+            "tensorplay: rank %s: the span processor is slow: %s; training does not wait for spans "
+            "for the next %.0f s", rank_label(), slow, cooldown_s,
+        )
+
+    def _slowness(self) -> str | None:
+        """What the ender's thread measured that shows a slow span processor, or None."""
+        since = self._ending_since
+        running_s = time.monotonic() - since if since is not None else 0.0
+        slowest_s, self._slowest_end_s = self._slowest_end_s, 0.0
+        queued = self._queue.qsize()
+        if running_s >= SLOW_END_S:
+            return f"ending one span has taken {running_s:.2f} s so far"
+        if slowest_s >= SLOW_END_S:
+            return f"ending one span took {slowest_s:.2f} s"
+        if queued >= BACKLOG:
+            return f"{queued} spans wait to be ended"
+        return None
 
     def queued(self) -> int:
         """Spans waiting to be ended."""
@@ -143,11 +188,14 @@ class SpanEnder:
     def _run(self) -> None:
         while True:
             job = self._queue.get()
+            self._ending_since = started = time.monotonic()
             try:
                 job.span.end(job.attributes, job.end_time, job.error, job.incomplete)
             except Exception:
                 _logger.warning("tensorplay: a span processor failed ending a span; training goes on", exc_info=True)
             finally:
+                self._ending_since = None
+                self._slowest_end_s = max(self._slowest_end_s, time.monotonic() - started)
                 job.done.set()
                 _call_safely(job.then)
 

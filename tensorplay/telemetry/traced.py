@@ -7,7 +7,7 @@ sizes and latency. With no SDK tracer provider and metrics off, a call costs a f
 reads and the hook runs untouched.
 """
 
-import functools
+import copy
 import logging
 import os
 from typing import Any, Callable, Optional
@@ -18,8 +18,9 @@ from opentelemetry import trace
 
 from . import probe
 from .metrics import TensorplayMetrics, active_metrics
+from .models import ModelSteps, ModelsOfHook
 from .names import HOOK_SPAN_NAME
-from .recorder import BucketRecord, CollectiveEnds
+from .recorder import BucketRecord
 from .resolver import resolver
 from .spans import OwnedSpan
 from .tracing import tracer as default_tracer
@@ -54,10 +55,24 @@ def traced(
         hook: a communication hook ``hook(state, bucket) -> Future[Tensor]``: any tensorplay
             hook, a wrapped one, or your own (which gets bucket sizes and latency only).
         error_every: sample the compression error every this many steps; 1 takes it on
-            every step (full fidelity), 0 never. Default: ``TENSORPLAY_ERROR_EVERY``, else 25.
+            every step (full fidelity), 0 never. Default: ``TENSORPLAY_ERROR_EVERY`` (a whole
+            number; unset or empty means the default), else 25.
         metrics: where to record metrics (tests pass ``TensorplayMetrics(CollectorRegistry())``).
             Default: the process's metrics once :func:`~tensorplay.telemetry.enable_metrics` ran.
         tracer_provider: default: OpenTelemetry's global provider.
+
+    The traced hook pickles (``torch.multiprocessing.spawn``, Lightning's ``start_method="spawn"``)
+    whenever ``hook`` does, to a traced hook with the same ``error_every`` and fresh counts.
+    ``metrics`` and ``tracer_provider`` belong to the process that made them and are not
+    pickled: in the receiving process the hook records to that process's defaults (its
+    :func:`~tensorplay.telemetry.enable_metrics`, its global tracer provider). ``copy.deepcopy``
+    stays in the process, so it keeps both, with fresh counts.
+
+    Registered on several DDP models (a GAN's generator and discriminator), the hook keeps one
+    step count per model, in the order the models first reduce a bucket: the first model's
+    figures are labelled ``hook="<name>"`` as usual, the next ones ``hook="<name>#1"``,
+    ``"<name>#2"``, and each span carries ``tensorplay.model`` (0, 1, ...).
+    ``tensorplay_step_compute_seconds`` is the first model's.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -66,23 +81,44 @@ def traced(
     if not callable(hook):
         raise TypeError(f"traced: expected a communication hook hook(state, bucket), got {type(hook).__name__}")
     if error_every is None:
-        error_every = int(os.environ.get(_ERROR_EVERY_ENV, DEFAULT_ERROR_EVERY))
+        error_every = _error_every_from_environment()
+    if isinstance(error_every, bool) or not isinstance(error_every, int):
+        raise TypeError(f"traced: error_every must be a whole number of steps, got {error_every!r}")
     if error_every < 0:
         raise ValueError(f"traced: error_every must be >= 0 (0 turns the error off), got {error_every}")
-    name = probe.hook_name(hook)
-    tracing = _TracedHook(hook, name, error_every, metrics, tracer_provider)
+    return _TracedHook(hook, probe.hook_name(hook), error_every, metrics, tracer_provider)
 
-    @functools.wraps(hook)
-    def traced_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return tracing(state, bucket)
 
-    # DDP logs this name and refuses bf16 hook names on CPU builds; see the telemetry contract.
-    traced_hook.__name__ = traced_hook.__qualname__ = f"traced({name})"
-    return probe.describe_hook(traced_hook, name, probe.reports_collectives(hook))
+def _error_every_from_environment() -> int:
+    """``TENSORPLAY_ERROR_EVERY`` as a number of steps; unset or empty (as OpenTelemetry reads its variables) is 25."""
+    raw = os.environ.get(_ERROR_EVERY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_ERROR_EVERY
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"{_ERROR_EVERY_ENV}={os.environ[_ERROR_EVERY_ENV]!r} is not a number of steps: set it to a whole "
+            f"number >= 0 (0: never sample the compression error, 1: every step, N: every N-th step), "
+            f"or leave it unset or empty for the default, {DEFAULT_ERROR_EVERY}"
+        )
+    return value
+
+
+def _rebuilt(hook: Hook, error_every: int) -> Hook:
+    """Unpickle a traced hook: the same hook and sampling, this process's metrics and tracer, fresh counts."""
+    return traced(hook, error_every=error_every)
 
 
 class _TracedHook:
-    """The per-hook state of a traced hook: step counter and when the previous step ended."""
+    """A traced hook: per-model step counters and when each model's previous step ended.
+
+    It passes for the function it wraps where DDP and ``inspect`` look: ``__wrapped__`` (so the
+    signature is the hook's), ``__doc__``, and ``__name__ == "traced(<hook name>)"``, the name
+    DDP logs (DDP refuses bf16 hook names on CPU builds; see the telemetry contract).
+    """
 
     def __init__(
         self,
@@ -97,23 +133,41 @@ class _TracedHook:
         self._reports_collectives = probe.reports_collectives(hook)
         self._error_every = error_every
         self._metrics = metrics
+        self._tracer_provider = tracer_provider
         self._own_tracer = default_tracer(tracer_provider) if tracer_provider is not None else None
-        self._step = 0
-        self._new_step = True
-        self._previous_step_end: Optional[CollectiveEnds] = None
+        self._models = ModelsOfHook()
+        self.__wrapped__ = hook
+        self.__doc__ = getattr(hook, "__doc__", None)
+        self.__module__ = getattr(hook, "__module__", __name__)
+        self.__name__ = self.__qualname__ = f"traced({name})"
+        probe.describe_hook(self, name, self._reports_collectives)
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__}>"
+
+    def __reduce__(self) -> tuple:
+        return _rebuilt, (self._hook, self._error_every)
+
+    def __copy__(self) -> "_TracedHook":
+        return _TracedHook(self._hook, self._name, self._error_every, self._metrics, self._tracer_provider)
+
+    def __deepcopy__(self, memo: dict) -> "_TracedHook":
+        hook = copy.deepcopy(self._hook, memo)
+        return _TracedHook(hook, self._name, self._error_every, self._metrics, self._tracer_provider)
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        step = self._step
-        first_of_step = self._new_step
-        self._new_step = bucket.is_last()
-        if self._new_step:
-            self._step += 1
-        record = self._start_record(state, bucket, step, first_of_step)
+        model = self._models.of(bucket)
+        step = model.step
+        first_of_step = model.new_step
+        model.new_step = bucket.is_last()
+        if model.new_step:
+            model.step += 1
+        record = self._start_record(state, bucket, step, first_of_step, model)
         if record is None:
-            self._previous_step_end = None
+            model.previous_step_end = None
             return self._hook(state, bucket)
-        if self._new_step:
-            self._previous_step_end = record.ends
+        if model.new_step:
+            model.previous_step_end = record.ends
         finisher = resolver()
         token = probe.install_recorder(record)
         try:
@@ -131,7 +185,7 @@ class _TracedHook:
             return future
 
     def _start_record(
-        self, state: Any, bucket: dist.GradBucket, step: int, first_of_step: bool
+        self, state: Any, bucket: dist.GradBucket, step: int, first_of_step: bool, model: ModelSteps
     ) -> Optional[BucketRecord]:
         """Begin recording this call, or return None when nobody listens (or telemetry fails).
 
@@ -158,8 +212,11 @@ class _TracedHook:
                 span=span,
                 metrics=metrics,
                 previous_step_end=(
-                    self._previous_step_end if first_of_step and not probe.in_shadow_phase() else None
+                    model.previous_step_end
+                    if first_of_step and model.index == 0 and not probe.in_shadow_phase()
+                    else None
                 ),
+                model=model.index,
                 on_collective_end=finisher.after_collective,
             )
             finisher.started()

@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
 from tensorplay import __version__
 
+from .exports import CountingExporter, fold_exporter_logs
 from .names import TRACER_NAME
 
 __all__ = ["tracer", "configure_tracing", "JsonLinesSpanExporter", "SystemRandomIdGenerator"]
@@ -85,6 +86,11 @@ class JsonLinesSpanExporter(SpanExporter):
     def __init__(self, path: str) -> None:
         self._path = path
         self._lock = threading.Lock()
+        _file_exporters.add(self)
+
+    def renew_lock(self) -> None:
+        """In a forked child: a lock the parent's export thread held at the fork would stay held."""
+        self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = "".join(json.dumps(json.loads(span.to_json(indent=None))) + "\n" for span in spans)
@@ -94,37 +100,6 @@ class JsonLinesSpanExporter(SpanExporter):
 
     def shutdown(self) -> None:
         pass
-
-
-class _CountingExporter(SpanExporter):
-    """Count failed exports instead of letting a collector that is down surface in training."""
-
-    def __init__(self, inner: SpanExporter) -> None:
-        self._inner = inner
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        try:
-            result = self._inner.export(spans)
-        except Exception:
-            _logger.warning("tensorplay: span export failed", exc_info=True)
-            result = SpanExportResult.FAILURE
-        if result is not SpanExportResult.SUCCESS:
-            _count_export_failure()
-        return result
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._inner.force_flush(timeout_millis)
-
-
-def _count_export_failure() -> None:
-    from .metrics import active_metrics, rank_label
-
-    metrics = active_metrics()
-    if metrics is not None:
-        metrics.telemetry_errors.labels(rank=rank_label(), reason="span_export_failed").inc()
 
 
 def _resolved_protocol(protocol: str | None) -> str:
@@ -172,11 +147,13 @@ def configure_tracing(
         protocol: ``http/protobuf`` or ``grpc`` (default: ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``,
             else ``http/protobuf``).
         span_file: also append spans as JSON lines to this file.
-        otlp: set to False to export to ``span_file`` only.
+        otlp: set to False to export to ``span_file`` only (``OTEL_TRACES_EXPORTER=none`` does the
+            same). Without a collector, that is the set-up to use.
         resource_attributes: more Resource attributes.
 
     Spans leave through a batch processor: a collector that is down or slow drops spans (each
-    failed export counted in ``tensorplay_telemetry_errors_total``) and never blocks training.
+    failed export counted in ``tensorplay_telemetry_errors_total``, one warning per process) and
+    never blocks training; at exit, exports that fail or go on past a second are cut short.
     If the application already set an SDK provider, the exporters are added to it.
 
     Trace and span IDs are drawn from the operating system (:class:`SystemRandomIdGenerator`),
@@ -200,26 +177,43 @@ def configure_tracing(
     # Unless the environment says otherwise, give up on an export after 5 s rather than 10 s.
     env_timeout = any(k in os.environ for k in ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"))
     timeout_s = None if env_timeout else 5.0
-    if otlp:
+    if otlp and os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() != "none":
         resolved = _resolved_protocol(protocol)
-        _add_once(provider, ("otlp", endpoint, resolved), lambda: _otlp_exporter(endpoint, resolved, timeout_s))
+        fold_exporter_logs()
+        _add_once(
+            provider,
+            ("otlp", endpoint, resolved),
+            lambda: _otlp_exporter(endpoint, resolved, timeout_s),
+            endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default OTLP endpoint",
+        )
     if span_file is not None:
         path = os.path.abspath(span_file)
-        _add_once(provider, ("file", path), lambda: JsonLinesSpanExporter(path))
+        _add_once(provider, ("file", path), lambda: JsonLinesSpanExporter(path), path)
     return provider
 
 
 _added_exporters: weakref.WeakKeyDictionary[TracerProvider, set[tuple]] = weakref.WeakKeyDictionary()
 _added_lock = threading.Lock()
+_file_exporters: weakref.WeakSet[JsonLinesSpanExporter] = weakref.WeakSet()
 
 
-def _add_once(provider: TracerProvider, key: tuple, make: Callable[[], SpanExporter]) -> None:
+def _renew_locks_after_fork() -> None:
+    global _added_lock
+    _added_lock = threading.Lock()
+    for exporter in list(_file_exporters):
+        exporter.renew_lock()
+
+
+os.register_at_fork(after_in_child=_renew_locks_after_fork)
+
+
+def _add_once(provider: TracerProvider, key: tuple, make: Callable[[], SpanExporter], destination: str) -> None:
     """Add a batch processor for the exporter ``make`` builds, unless ``key`` was added to ``provider``."""
     with _added_lock:
         added = _added_exporters.setdefault(provider, set())
         if key in added:
             return
-        provider.add_span_processor(BatchSpanProcessor(_CountingExporter(make())))
+        provider.add_span_processor(BatchSpanProcessor(CountingExporter(make(), destination)))
         added.add(key)
 
 

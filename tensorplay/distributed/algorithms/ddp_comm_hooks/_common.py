@@ -61,7 +61,11 @@ def allreduce_future(
     if recorder is None:
         return dist.all_reduce(tensor, group=group, async_op=True).get_future()
     token = recorder.collective_launching(tensor)
-    future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    try:
+        future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    except BaseException as error:
+        recorder.collective_not_launched(token, error)
+        raise
     recorder.collective_launched(token, future)
     return future
 
