@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 from opentelemetry import trace
 
+from .metrics import rank_label
+
 __all__ = ["OwnedSpan", "SpanEnd", "SpanEnder"]
 
 _logger = logging.getLogger(__name__)
@@ -154,8 +156,6 @@ class SpanEnder:
                 "(the ender's thread had not got to it yet)", self._budget_s,
             )
             return
-        from .metrics import rank_label  # the rank is only needed for this rare message
-
         _logger.warning(
             "tensorplay: rank %s: the span processor is slow: %s; training does not wait for spans "
             "for the next %.0f s", rank_label(), slow, cooldown_s,
