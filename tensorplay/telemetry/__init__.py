@@ -1,7 +1,7 @@
 """Turns what the algorithms report into OpenTelemetry spans and Prometheus metrics.
 
 Public entry points: :func:`traced`, :func:`enable_metrics` / :func:`disable_metrics`,
-:func:`configure_tracing`, :func:`flush` and :func:`wait_for_final_scrape`.
+:func:`configure_tracing` (with :class:`SystemRandomIdGenerator`), :func:`flush` and :func:`wait_for_final_scrape`.
 """
 
 from . import join_telemetry  # noqa: F401  (exports every Join's timing)
@@ -15,7 +15,7 @@ from .metrics import (
 )
 from .resolver import flush
 from .traced import DEFAULT_ERROR_EVERY, traced
-from .tracing import configure_tracing
+from .tracing import SystemRandomIdGenerator, configure_tracing
 
 __all__ = [
     "traced",
@@ -27,5 +27,6 @@ __all__ = [
     "served_address",
     "wait_for_final_scrape",
     "configure_tracing",
+    "SystemRandomIdGenerator",
     "flush",
 ]

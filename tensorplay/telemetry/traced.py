@@ -17,12 +17,10 @@ import torch
 import torch.distributed as dist
 from opentelemetry import trace
 
-from tensorplay import __version__
-
 from . import probe
 from .metrics import TensorplayMetrics, active_metrics
 from .models import ModelSteps, ModelsOfHook
-from .names import HOOK_SPAN_NAME, TRACER_NAME
+from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord
 from .resolver import resolver
 from .spans import OwnedSpan
@@ -139,9 +137,7 @@ class _TracedHook:
         self._error_every = error_every
         self._metrics = metrics
         self._tracer_provider = tracer_provider
-        self._own_tracer = (
-            tracer_provider.get_tracer(TRACER_NAME, __version__) if tracer_provider is not None else None
-        )
+        self._own_tracer = default_tracer(tracer_provider) if tracer_provider is not None else None
         self._models = ModelsOfHook()
         self.__wrapped__ = hook
         self.__doc__ = getattr(hook, "__doc__", None)

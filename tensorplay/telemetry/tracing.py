@@ -19,22 +19,65 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
 from tensorplay import __version__
 
 from .exports import CountingExporter, fold_exporter_logs
 from .names import TRACER_NAME
 
-__all__ = ["tracer", "configure_tracing", "JsonLinesSpanExporter"]
+__all__ = ["tracer", "configure_tracing", "JsonLinesSpanExporter", "SystemRandomIdGenerator"]
 
 _logger = logging.getLogger(__name__)
 
-def tracer() -> trace.Tracer:
-    """Return tensorplay's tracer from the current global provider (a no-op without an SDK).
 
-    Looked up on every use, so a provider set or replaced later (tests do) is honoured.
+class SystemRandomIdGenerator(IdGenerator):
+    """Draw trace and span IDs from the operating system, never from Python's ``random``.
+
+    OpenTelemetry's default generator draws from the global ``random``, which training scripts
+    seed (``seed_everything``, ``set_seed``, ``random.seed``): every rank, and every run with the
+    same seed, would then make the same IDs, and each span would advance the script's own random
+    sequence. Drawing from ``os.urandom`` keeps IDs unique and leaves ``random`` as the script
+    left it. IDs are never all zeros (invalid in W3C Trace Context).
     """
-    return trace.get_tracer(TRACER_NAME, __version__)
+
+    def generate_span_id(self) -> int:
+        return _nonzero_bits(8)
+
+    def generate_trace_id(self) -> int:
+        return _nonzero_bits(16)
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+def _nonzero_bits(size: int) -> int:
+    while True:
+        value = int.from_bytes(os.urandom(size), "big")
+        if value:
+            return value
+
+
+_SYSTEM_IDS = SystemRandomIdGenerator()
+
+
+def _draws_from_random(owner: object) -> bool:
+    """True if ``owner`` (an SDK provider or tracer) uses the SDK's stock, ``random``-based generator."""
+    return type(getattr(owner, "id_generator", None)) is RandomIdGenerator
+
+
+def tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
+    """Return tensorplay's tracer from ``provider``, else the current global one (a no-op without an SDK).
+
+    The global provider is looked up on every use, so a provider set or replaced later (tests
+    do) is honoured. Whoever made the provider, tensorplay's own spans never take IDs from
+    Python's ``random``: a tracer on the SDK's default generator gets
+    :class:`SystemRandomIdGenerator` instead (a generator the application chose is kept).
+    """
+    found = (provider if provider is not None else trace.get_tracer_provider()).get_tracer(TRACER_NAME, __version__)
+    if _draws_from_random(found):
+        found.id_generator = _SYSTEM_IDS  # type: ignore[attr-defined]  # an SDK Tracer's public attribute
+    return found
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -96,7 +139,9 @@ def configure_tracing(
         service_name: ``service.name`` of the Resource. OpenTelemetry's precedence holds: this
             argument, else ``service.name`` in ``resource_attributes``, else ``OTEL_SERVICE_NAME``,
             else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``, else ``tensorplay``. The rank
-            (``RANK``) and world size are added to the Resource.
+            and world size are added to the Resource: the process group's once it exists, else
+            ``RANK`` and ``WORLD_SIZE``; call it after the process group is set up where no
+            launcher sets ``RANK`` (Lightning: in ``LightningModule.setup``).
         endpoint: OTLP endpoint (default: ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, else the
             exporter's localhost default). An http base URL gets ``/v1/traces`` appended.
         protocol: ``http/protobuf`` or ``grpc`` (default: ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``,
@@ -111,6 +156,12 @@ def configure_tracing(
     never blocks training; at exit, exports that fail or go on past a second are cut short.
     If the application already set an SDK provider, the exporters are added to it.
 
+    Trace and span IDs are drawn from the operating system (:class:`SystemRandomIdGenerator`),
+    so they are unique across ranks and runs however the script seeds Python's ``random``, and
+    tracing never advances that seed's sequence. A provider the application set keeps an ID
+    generator it chose; if it has the SDK's default (which draws from ``random``), that one is
+    replaced, for the tracers it hands out from then on.
+
     Calling it again is harmless: it returns the same provider and adds only exporters that no
     earlier call added to it (an OTLP exporter per endpoint and protocol, one per span file), so
     no span is ever exported twice to one destination.
@@ -118,8 +169,10 @@ def configure_tracing(
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         provider = current
+        if _draws_from_random(provider):
+            provider.id_generator = _SYSTEM_IDS
     else:
-        provider = TracerProvider(resource=_resource(service_name, resource_attributes))
+        provider = TracerProvider(resource=_resource(service_name, resource_attributes), id_generator=_SYSTEM_IDS)
         trace.set_tracer_provider(provider)
     # Unless the environment says otherwise, give up on an export after 5 s rather than 10 s.
     env_timeout = any(k in os.environ for k in ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"))
@@ -165,9 +218,19 @@ def _add_once(provider: TracerProvider, key: tuple, make: Callable[[], SpanExpor
 
 
 def _resource(service_name: str | None, resource_attributes: dict[str, object] | None) -> Resource:
-    """The Resource of a new provider: rank and world size, the standard variables, the arguments."""
-    attributes: dict[str, object] = {"tensorplay.rank": int(os.environ.get("RANK", "0"))}
-    if "WORLD_SIZE" in os.environ:
+    """The Resource of a new provider: rank and world size, the standard variables, the arguments.
+
+    Rank and world size come from the process group once it exists (Lightning's launchers set
+    no ``RANK``), else from torchrun's ``RANK`` and ``WORLD_SIZE``.
+    """
+    import torch.distributed as dist
+
+    from .metrics import rank_label
+
+    attributes: dict[str, object] = {"tensorplay.rank": int(rank_label())}
+    if dist.is_available() and dist.is_initialized():
+        attributes["tensorplay.world_size"] = dist.get_world_size()
+    elif "WORLD_SIZE" in os.environ:
         attributes["tensorplay.world_size"] = int(os.environ["WORLD_SIZE"])
     attributes.update(resource_attributes or {})
     if service_name is not None:

@@ -1,0 +1,1 @@
+"""Training scripts written as users of PyTorch Lightning and Accelerate write them; tests/test_frameworks.py runs them."""
