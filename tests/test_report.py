@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import tensorplay.report
-from tensorplay.demo.cli import main
+from tensorplay.cli import main
 from tensorplay.report import build_report
 from tensorplay.report.cli import demo_report_line
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY

@@ -17,12 +17,16 @@ __all__ = [
     "extra_batches",
     "DEFAULT_STEPS",
     "DEFAULT_STRAGGLER_DELAY_MS",
+    "DEFAULT_STRAGGLER_BATCH_FACTOR",
+    "STRAGGLER_KINDS",
     "DEFAULT_STALL_TIMEOUT_S",
     "hang_step",
 ]
 
 DEFAULT_STEPS = 40
 DEFAULT_STRAGGLER_DELAY_MS = 40.0
+DEFAULT_STRAGGLER_BATCH_FACTOR = 16
+STRAGGLER_KINDS = ("sleep", "batch")
 DEFAULT_STALL_TIMEOUT_S = 60.0
 _HOOKS_ON_A_PROCESS_GROUP = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
                              "fp16_compress_wrapper(allreduce_hook)", "bf16_compress_wrapper(allreduce_hook)")
@@ -49,6 +53,13 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make rank R a straggler: it sleeps in its compute every step")
     parser.add_argument("--straggler-delay-ms", type=float, default=DEFAULT_STRAGGLER_DELAY_MS, metavar="D",
                         help=f"how long the straggler sleeps per step (default {DEFAULT_STRAGGLER_DELAY_MS:g})")
+    parser.add_argument("--straggler-kind", choices=STRAGGLER_KINDS, default="sleep",
+                        help="extra flag: how the straggler is slow: 'sleep' sleeps --straggler-delay-ms between "
+                             "forward and backward; 'batch' trains a batch --straggler-batch-factor times its "
+                             "peers' (more forward and backward work between the buckets; default sleep)")
+    parser.add_argument("--straggler-batch-factor", type=int, default=DEFAULT_STRAGGLER_BATCH_FACTOR, metavar="F",
+                        help="extra flag: with --straggler-kind batch, the straggler's batch is F times its peers' "
+                             f"(default {DEFAULT_STRAGGLER_BATCH_FACTOR})")
     parser.add_argument("--uneven", action="store_true",
                         help="uneven inputs: rank r trains S + r*max(1, S//4) batches, inside Join([ddp_model])")
     parser.add_argument("--hang-rank", type=int, default=None, metavar="R",
@@ -92,6 +103,8 @@ def job_problem(args: argparse.Namespace, world_size: int, local_world_size: int
                     f"(--world-size {world_size} has ranks 0..{world_size - 1})")
     if args.straggler_delay_ms < 0:
         return f"--straggler-delay-ms must be >= 0, got {args.straggler_delay_ms:g}"
+    if args.straggler_batch_factor < 1:
+        return f"--straggler-batch-factor must be at least 1, got {args.straggler_batch_factor}"
     if args.metrics_port is not None and not 0 < args.metrics_port <= 65536 - local_world_size:
         return (f"--metrics-port {args.metrics_port}: the ranks serve on ports {args.metrics_port}.."
                 f"{args.metrics_port + local_world_size - 1}, which must lie within 1..65535")
@@ -122,7 +135,8 @@ def _hang_problem(args: argparse.Namespace, world_size: int) -> str | None:
 def job_argv(args: argparse.Namespace) -> list[str]:
     """Turn parsed job flags back into the command line every rank gets."""
     argv = ["--steps", str(args.steps), "--hook", args.hook,
-            "--straggler-delay-ms", repr(args.straggler_delay_ms), "--linger-s", repr(args.linger_s)]
+            "--straggler-delay-ms", repr(args.straggler_delay_ms), "--straggler-kind", args.straggler_kind,
+            "--straggler-batch-factor", str(args.straggler_batch_factor), "--linger-s", repr(args.linger_s)]
     optional = {
         "--straggler-rank": args.straggler_rank,
         "--hang-rank": args.hang_rank,

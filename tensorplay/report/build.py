@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tensorplay.demo.report import Verdict
+from tensorplay.analysis.straggler import Verdict
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 
 from .aggregate import Run, aggregate

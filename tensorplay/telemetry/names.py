@@ -55,3 +55,5 @@ class Metric:
     JOINS = "tensorplay_joins"
     TELEMETRY_ERRORS = "tensorplay_telemetry_errors"
     BUCKET_NONFINITE = "tensorplay_bucket_nonfinite_elements"
+    STEP_WAIT = "tensorplay_step_wait_seconds"
+    STEPS = "tensorplay_steps"

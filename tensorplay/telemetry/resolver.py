@@ -233,6 +233,11 @@ def observe(record: BucketRecord, outcome: Outcome) -> None:
         metrics.compression_error.labels(rank=rank, hook=hook).observe(outcome.relative_error)
     if outcome.compute_s is not None:
         metrics.step_compute.labels(rank=rank).observe(outcome.compute_s)
+    if record.ends_step:
+        # The last bucket's wait is how long this rank stood at the step's end for the last of its
+        # peers to arrive: what the peers did not wait for it (docs/telemetry.md, "Lateness").
+        metrics.step_wait.labels(rank=rank, hook=hook).inc(outcome.latency_s)
+        metrics.steps.labels(rank=rank, hook=hook).inc()
 
 
 def _compute_seconds(record: BucketRecord) -> float | None:

@@ -150,6 +150,9 @@ class _TracedHook:
                 return None
             span = OwnedSpan(started)
             finisher = resolver()
+            # A shadowing rank's calls are not its own steps: it arrives first and waits for the
+            # trainers, which would make them look late (and its wait is no compute either).
+            shadowing = probe.in_shadow_phase()
             record = BucketRecord(
                 hook=self._name,
                 reports_collectives=self._reports_collectives,
@@ -162,8 +165,9 @@ class _TracedHook:
                 span=span,
                 metrics=metrics,
                 previous_step_end=(
-                    self._previous_step_end if first_of_step and not probe.in_shadow_phase() else None
+                    self._previous_step_end if first_of_step and not shadowing else None
                 ),
+                ends_step=bucket.is_last() and step >= 1 and not shadowing,
                 on_collective_end=finisher.after_collective,
             )
             finisher.started()
