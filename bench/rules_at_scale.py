@@ -161,16 +161,17 @@ def timing_table(server: PrometheusServer, at: float, repeats: int, dashboards: 
 def highest_healthy_share(ranks: int, seed: int, spread: float) -> tuple[float, float]:
     """The share of every step and the seconds per step the job waits for its latest healthy rank,
     as the recording rules compute them from the generator's end-of-step waits over the last 5m:
-    the median of the ranks' wait rates without the lowest, minus the lowest."""
+    the median of the ranks' fractions of time waited without the lowest, minus the lowest."""
     job = SyntheticJob(Scenario("healthy"), ranks, 6, 0.0, seed=seed, spread=spread)
     window = int(round(300 / SCRAPE_INTERVAL_S))
-    values = {family.name: next(iter(job.values(family, 0, ranks)))[1] for family in job.families
-              if family.name in (Metric.STEP_WAIT, Metric.STEPS)}
-    rates = (values[Metric.STEP_WAIT][:, -1] - values[Metric.STEP_WAIT][:, -1 - window]) / 300
-    steps = (values[Metric.STEPS][:, -1] - values[Metric.STEPS][:, -1 - window]) / 300
-    ordered = np.argsort(rates)
-    share = float(np.median(rates[ordered[1:]]) - rates[ordered[0]])
-    return share, share / float(steps[ordered[0]])
+    increase = {family.name: values[:, -1] - values[:, -1 - window]
+                for family in job.families if family.name in (Metric.STEP_WAIT, Metric.STEP_SECONDS, Metric.STEPS)
+                for _, values in job.values(family, 0, ranks)}
+    waited = increase[Metric.STEP_WAIT] / increase[Metric.STEP_SECONDS]
+    ordered = np.argsort(waited)
+    share = float(np.median(waited[ordered[1:]]) - waited[ordered[0]])
+    latest = ordered[0]
+    return share, share * float(increase[Metric.STEP_SECONDS][latest] / increase[Metric.STEPS][latest])
 
 
 def noise_floor(sizes: list[int], seeds: int, spread: float) -> None:

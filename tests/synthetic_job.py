@@ -20,10 +20,11 @@ serve and nothing the code serves is left out.
   rank's *work* per step is its compute plus its backward;
 * allreduce latency: a fixed collective time per bucket, plus, in the first bucket of a step, the
   wait for the slowest rank (a straggler waits least);
-* the end-of-step wait (``tensorplay_step_wait_seconds_total``, ``tensorplay_steps_total``): per
-  step, the collective plus the slowest rank's work minus the rank's own, with the rank's own
-  noise of the interval; a rank counts neither steps nor waits while it shadows in the Join, and
-  a rank with several hooks splits the wait between them (one DDP model each);
+* the end-of-step wait (``tensorplay_step_wait_seconds_total``, ``tensorplay_step_seconds_total``,
+  ``tensorplay_steps_total``): per step, the collective plus the slowest rank's work minus the
+  rank's own, with the rank's own noise of the interval, and the job's step period; a rank counts
+  none of them while it shadows in the Join, and a rank with several hooks splits the wait
+  between them (one DDP model each, every one a whole iteration long);
 * bytes, compression error and wire bytes from the hook's name (fp16/bf16 halve the bytes);
 * one Join halfway through the job: on a healthy job every rank shadows 0-2 iterations; with
   ``uneven_join`` 90 % of the ranks shadow 10 or more (each a different count); the Join series
@@ -371,6 +372,9 @@ class SyntheticJob:
     def _step_wait(self, series: Series, ranks: slice) -> np.ndarray:
         return self._end_wait_s[ranks] / len(self.scenario.hooks)
 
+    def _step_seconds(self, series: Series, ranks: slice) -> np.ndarray:
+        return self._counted_steps[ranks] * self.step_period_s
+
     def _steps(self, series: Series, ranks: slice) -> np.ndarray:
         return self._counted_steps[ranks].astype(float)
 
@@ -418,6 +422,7 @@ class SyntheticJob:
         Metric.NONFINITE: _nonfinite,
         Metric.BUCKET_NONFINITE: _zeros,
         Metric.STEP_WAIT: _step_wait,
+        Metric.STEP_SECONDS: _step_seconds,
         Metric.STEPS: _steps,
         Metric.LAST_STEP_TIMESTAMP: _last_step_timestamp,
         Metric.COLLECTIVE_WAITING_SINCE: _zeros,

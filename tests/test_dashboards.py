@@ -241,7 +241,7 @@ def test_rank_check_catches_a_per_rank_query():
     assert rank_problems(with_query(f"topk($topk, {score})")) == [
         f"{title}: topk() of a range query ranks anew at every step (use @ end())"]
     # A comparison against one job-level series keeps every rank; matched on rank to a top-k it does not.
-    peers = 'job:tensorplay_step_wait_seconds:peers_median_rate5m{job=~"$job"}'
+    peers = 'job:tensorplay_step_wait_seconds:peers_median_ratio5m{job=~"$job"}'
     assert rank_problems(with_query(f"{score} > on (job) group_left {peers}")) != []
     assert rank_problems(with_query(f"{score} and on (job) topk($topk, {score} @ end())")) != []
     assert rank_problems(with_query(f"{score} and on (job, rank) topk($topk, {score} @ end())")) == []

@@ -58,7 +58,7 @@ def _record(metrics: TensorplayMetrics | None = None) -> BucketRecord:
         span=OwnedSpan(tracer.start_span("tensorplay.comm_hook")),
         metrics=metrics,
         previous_step_end=None,
-        ends_step=False,
+        step_start=None,
         on_collective_end=lambda end, action: action(),
     )
 

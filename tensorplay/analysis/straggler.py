@@ -21,10 +21,10 @@ least :data:`MIN_LATENESS_S` per step (tiny steps never page); at most
     and on (job, rank) job_rank:tensorplay_step_lateness_seconds:mean5m >= 0.01   # MIN_LATENESS_S
     and on (job, rank) topk by (job) (8, job_rank:tensorplay_step_lateness:ratio5m)  # MAX_RANKS_PER_JOB
 
-where the share is ``job:tensorplay_step_wait_seconds:peers_median_rate5m -
-job_rank:tensorplay_step_wait_seconds:rate5m`` (seconds waited per second) and the peers'
-median is the median of the job's ranks without the one that waits least -- exactly the late
-rank's peers, for 2 ranks the other rank. :func:`lateness` computes the same figure from totals
+where the share is ``job:tensorplay_step_wait_seconds:peers_median_ratio5m -
+job_rank:tensorplay_step_wait_seconds:ratio5m`` (each the fraction of its stepping time a rank
+waited at the steps' ends) and the peers' median is the median of the job's ranks without the
+one that waits least -- exactly the late rank's peers, for 2 ranks the other rank. :func:`lateness` computes the same figure from totals
 (a run's spans) and tests/test_straggler_analysis.py checks that the rule file and this module
 agree on the thresholds.
 """
@@ -75,7 +75,7 @@ class Lateness:
 
     rank: int
     share: float
-    """Fraction of every step the job waits for this rank (its peers' wait minus its own, per second)."""
+    """Fraction of every step the job waits for this rank (its peers' fraction of time waited minus its own)."""
     per_step_s: float
     """Seconds per step the job waits for this rank."""
     wait_s_per_step: float
@@ -107,21 +107,15 @@ def lateness(ranks: Sequence[RankWait]) -> list[Lateness]:
     measured = [r for r in ranks if r.steps > 0 and r.seconds > 0]
     if len(measured) < 2:
         return []
-    duration_s = statistics.median(r.seconds for r in measured)  # one window for all, as a rate has
-    rates = {r.rank: r.wait_s / duration_s for r in measured}
-    earliest = min(measured, key=lambda r: rates[r.rank])
-    peers_rate = statistics.median(rates[r.rank] for r in measured if r is not earliest)
-    steps_per_s = {r.rank: r.steps / duration_s for r in measured}
-    return [
-        Lateness(
-            rank=r.rank,
-            share=peers_rate - rates[r.rank],
-            per_step_s=(peers_rate - rates[r.rank]) / steps_per_s[r.rank],
-            wait_s_per_step=rates[r.rank] / steps_per_s[r.rank],
-            peers_wait_s_per_step=peers_rate / steps_per_s[r.rank],
-        )
-        for r in measured
-    ]
+    waited = {r.rank: r.wait_s / r.seconds for r in measured}  # fraction of its stepping time
+    earliest = min(measured, key=lambda r: waited[r.rank])
+    peers = statistics.median(waited[r.rank] for r in measured if r is not earliest)
+    figures = []
+    for r in measured:
+        step_s = r.seconds / r.steps
+        share = peers - waited[r.rank]
+        figures.append(Lateness(r.rank, share, share * step_s, waited[r.rank] * step_s, peers * step_s))
+    return figures
 
 
 def _percent(share: float) -> str:

@@ -105,6 +105,11 @@ class TensorplayMetrics:
             "Seconds this rank waited at the end of its steps: launch to completion of each step's last bucket.",
             hook_labels, registry=r,
         )
+        self.step_seconds = Counter(
+            Metric.STEP_SECONDS,
+            "Seconds those steps took: end of the previous step's last collective to end of the step's last.",
+            hook_labels, registry=r,
+        )
         self.steps = Counter(
             Metric.STEPS, "Steps whose end wait tensorplay_step_wait_seconds_total counts.", hook_labels, registry=r
         )

@@ -167,7 +167,7 @@ class _TracedHook:
                 previous_step_end=(
                     self._previous_step_end if first_of_step and not shadowing else None
                 ),
-                ends_step=bucket.is_last() and step >= 1 and not shadowing,
+                step_start=self._previous_step_end if bucket.is_last() and not shadowing else None,
                 on_collective_end=finisher.after_collective,
             )
             finisher.started()
