@@ -79,8 +79,9 @@ def recording_rule_names() -> set[str]:
 
 def known_series() -> set[str]:
     """Every series name a query may read: the contract's (histograms as _bucket/_sum/_count),
-    the recording rules', and Prometheus' own ``ALERTS`` (of the project's alerts)."""
-    names = {"ALERTS"}
+    the recording rules', and Prometheus' own ``ALERTS`` (of the project's alerts) and ``up`` (whether a
+    target's latest scrape succeeded)."""
+    names = {"ALERTS", "up"}
     for name, kind in CONTRACT_METRICS.items():
         names.update((f"{name}_bucket", f"{name}_sum", f"{name}_count") if kind == "histogram" else (name,))
     return names | recording_rule_names()

@@ -73,15 +73,17 @@ def render_config(
     rule_files: Sequence[os.PathLike | str],
     scrape_interval: str = "1s",
     evaluation_interval: str = "1s",
+    scrape_timeout: str | None = None,
 ) -> str:
     """Return a prometheus.yml scraping ``{job name: [host:port, ...]}`` with ``rule_files`` loaded.
 
-    JSON strings are valid YAML scalars, so names and paths are quoted with ``json.dumps``.
+    The scrape timeout is the scrape interval unless ``scrape_timeout`` is given. JSON strings are
+    valid YAML scalars, so names and paths are quoted with ``json.dumps``.
     """
     lines = [
         "global:\n",
         f"  scrape_interval: {scrape_interval}\n",
-        f"  scrape_timeout: {scrape_interval}\n",
+        f"  scrape_timeout: {scrape_timeout or scrape_interval}\n",
         f"  evaluation_interval: {evaluation_interval}\n",
         "rule_files:\n",
         _yaml_list([str(Path(f).resolve()) for f in rule_files], 2) if rule_files else "  []\n",
@@ -107,6 +109,9 @@ class PrometheusServer:
         job: the job name used when ``targets`` is a plain list.
         rule_files: rule files to load; default: the project's (``RULE_FILES``).
         scrape_interval / evaluation_interval: Prometheus durations, 1s by default.
+        scrape_timeout: how long a scrape may take (default: the scrape interval); a shorter one
+            makes a target that accepts connections but never answers (a stopped process) fail
+            sooner.
         extra_args: more command-line flags.
         storage: keep the TSDB in this folder (e.g. one holding blocks that promtool made)
             instead of a fresh one for each start.
@@ -120,6 +125,7 @@ class PrometheusServer:
         rule_files: Sequence[os.PathLike | str] = RULE_FILES,
         scrape_interval: str = "1s",
         evaluation_interval: str = "1s",
+        scrape_timeout: str | None = None,
         extra_args: Sequence[str] = (),
         storage: os.PathLike | str | None = None,
     ) -> None:
@@ -128,6 +134,7 @@ class PrometheusServer:
         self.rule_files = list(rule_files)
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
+        self.scrape_timeout = scrape_timeout
         self.extra_args = list(extra_args)
         self.storage = None if storage is None else Path(storage)
         self.port: int | None = None
@@ -153,7 +160,8 @@ class PrometheusServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "prometheus.yml"
         config.write_text(
-            render_config(self.targets, self.rule_files, self.scrape_interval, self.evaluation_interval)
+            render_config(self.targets, self.rule_files, self.scrape_interval, self.evaluation_interval,
+                          self.scrape_timeout)
         )
         last_error = ""
         for _attempt in range(3):  # a free port can be taken between probing and binding

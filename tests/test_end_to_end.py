@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -124,10 +125,11 @@ def _wait(what: str, predicate, timeout: float, process: subprocess.Popen, outpu
 
 
 def start_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *flags: str,
-                       linger_s: float = LINGER_S) -> ScrapedRun:
-    """Start Prometheus and ``python -m tensorplay demo`` with its ranks as the targets; ``at`` is 0."""
+                       linger_s: float = LINGER_S, **server_options) -> ScrapedRun:
+    """Start Prometheus (``server_options`` go to PrometheusServer) and ``python -m tensorplay demo``
+    with its ranks as the targets; ``at`` is 0."""
     port = free_base_port(world_size)
-    server = prometheus([f"127.0.0.1:{port + rank}" for rank in range(world_size)], job=job)
+    server = prometheus([f"127.0.0.1:{port + rank}" for rank in range(world_size)], job=job, **server_options)
     run_dir = tmp_path / "run"
     stdout_path, stderr_path = tmp_path / "demo.stdout", tmp_path / "demo.stderr"
     command = [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size),
@@ -408,3 +410,125 @@ def test_a_job_that_ends_right_after_its_join_leaves_its_final_figures(prometheu
                 for s in run.server.query(f'last_over_time(tensorplay_join_shadow_iterations{{job="{job}"}}[10m])')}
     assert joins == {"0": 1.0, "1": 1.0}, joins
     assert shadowed == {"0": 10.0, "1": 0.0}, shadowed
+
+
+# -- a frozen rank ----------------------------------------------------------------------------------
+
+FROZEN_RANK = 1
+FREEZE_AFTER_S = 5.0  # after every rank's first hook call: the job's first minute
+SCRAPE_TIMEOUT = "500ms"  # a stopped process accepts the connection but never answers: the scrape times out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+            children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _rank_pid(demo: subprocess.Popen, rank: int) -> int | None:
+    """The pid of the demo's rank ``rank``: the process torch's elastic launcher started with RANK=rank."""
+    for pid in _descendants(demo.pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"tensorplay.demo.train" in cmdline:
+            return pid
+    return None
+
+
+def test_a_frozen_rank_is_named_missing_and_nothing_claims_no_rank_is_missing(prometheus, tmp_path: Path) -> None:
+    """Rank 1 of 3 is SIGSTOPped 5 s after every rank made its first hook call -- in the job's first
+    minute -- as a frozen node or a process stuck in the kernel would be: its port still accepts
+    connections, but scrapes time out. Once every rank still scraped has waited inside a collective
+    past the hang threshold, TensorplayRankMetricsMissing's expression names rank 1 and only rank 1
+    (and the loaded rule is pending for it), TensorplayJobHung's returns nothing (a rank is missing:
+    there is a rank to blame), TensorplayRankStalled's names nobody. SIGCONT: rank 1 is scraped again
+    and no longer named. The freeze later in a job is covered by tests/rules/frozen_rank.test.yml."""
+    job, selector = "e2e-frozen", '{job="e2e-frozen"}'
+    missing = alert_expr("TensorplayRankMetricsMissing", {120: HANG_THRESHOLD_S})
+    hung = alert_expr("TensorplayJobHung", {120: HANG_THRESHOLD_S})
+    stalled = alert_expr("TensorplayRankStalled", {120: HANG_THRESHOLD_S})
+    waits = f"time() - (job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{selector} > 0)"
+    run = start_scraped_demo(prometheus, tmp_path, job, 3, "--steps", "5000", "--hook", "allreduce_hook",
+                             "--stall-timeout-s", "300", scrape_timeout=SCRAPE_TIMEOUT)
+    server, frozen, left = run.server, None, []
+    instance = server.targets[job][FROZEN_RANK]
+    try:
+        _wait("every rank's first hook call, scraped",
+              lambda: len(server.query(f"tensorplay_last_step_timestamp_seconds{selector}")) == 3,
+              RUN_TIMEOUT_S, run.process, run.output)
+        time.sleep(FREEZE_AFTER_S)
+        frozen = _wait(f"rank {FROZEN_RANK}'s process", lambda: _rank_pid(run.process, FROZEN_RANK), 10,
+                       run.process, run.output)
+        os.kill(frozen, signal.SIGSTOP)
+
+        def frozen_past_threshold() -> float | None:
+            # An instant where every rank still scraped has waited past the threshold (what
+            # TensorplayJobHung's "every rank waits" sees) and rank 1 is no longer scraped.
+            peers = server.query(waits)
+            if ({s["metric"]["rank"] for s in peers} == {"0", "2"}
+                    and min(float(s["value"][1]) for s in peers) > HANG_THRESHOLD_S + 1
+                    and not server.query(f'tensorplay_collective_waiting_since_timestamp_seconds{{job="{job}",rank="1"}}')):
+                return float(peers[0]["value"][0])
+            return None
+
+        run.at = _wait("the peers to wait past the threshold for the frozen rank", frozen_past_threshold, 30,
+                       run.process, run.output)
+        named, hung_jobs, stalled_ranks = run.values(missing), run.query(hung), run.values(stalled)
+        pending = run.values(f'ALERTS{{alertname="TensorplayRankMetricsMissing",alertstate="pending",job="{job}"}}')
+        up = server.query_values(f'up{{job="{job}"}}', by="instance", at=run.at)
+        target = next(t for t in server.targets_status() if t["labels"]["instance"] == instance)
+        print(f"\nfrozen rank: named missing {named}, hung {hung_jobs}, stalled {stalled_ranks}, up {up}, "
+              f"scrape error {target['lastError']!r}")
+        assert set(named) == {"1"}, named
+        assert 0 < named["1"] < run.at - run.started  # the value: seconds since its latest hook call
+        assert hung_jobs == [], hung_jobs
+        assert stalled_ranks == {}, stalled_ranks
+        assert set(pending) == {"1"}, pending  # the loaded rule, with its own thresholds
+        # Frozen, not gone: the connection is accepted, the scrape times out.
+        assert "deadline exceeded" in target["lastError"], target
+        assert up == {address: float(address != instance) for address in server.targets[job]}, up
+
+        # Continued: it answers again, and is no longer named.
+        os.kill(frozen, signal.SIGCONT)
+        back = time.time()
+        run.at = _wait("a rule evaluation that sees rank 1 scraped again",
+                       lambda: (lambda r: float(r[0]["value"][0]) if r else None)(server.query(
+                           f'timestamp(job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max'
+                           f'{{job="{job}",rank="1"}}) > {back + 1:.3f}')),
+                       20, run.process, run.output)
+        assert run.values(missing) == {}
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        ranks = _descendants(run.process.pid)
+        _stop(run.process)
+        left = [pid for pid in ranks if _is_demo_process(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the demo outlived it: {left}"
+
+
+def _is_demo_process(pid: int) -> bool:
+    """Whether ``pid`` is still a process of ``python -m tensorplay ...`` (not a pid reused since)."""
+    try:
+        return b"tensorplay" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
