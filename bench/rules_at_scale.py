@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from tensorplay.analysis.straggler import MIN_LATENESS_S, SHARE_THRESHOLD  # noqa: E402
 from tensorplay.telemetry.names import Metric  # noqa: E402
 from tests.alert_firing import firing, notifications  # noqa: E402
-from tests.alert_rules import alerts, rules  # noqa: E402
+from tests.alert_rules import RULE_FILES, alerts  # noqa: E402
 from tests.backfill import aligned_start, backfilled_prometheus, evaluation_time  # noqa: E402
 from tests.dashboard_queries import dashboard_queries  # noqa: E402
 from tests.prometheus_server import PrometheusServer  # noqa: E402
@@ -138,10 +139,19 @@ def timed_query(server: PrometheusServer, expr: str, at: float, repeats: int, ra
 def timing_table(server: PrometheusServer, at: float, repeats: int, dashboards: Path) -> None:
     header = f"  {'query':<76} {'median':>8} {'p95':>8} {'n':>3} {'series':>7} {'MB':>9} {'peak samples':>12}"
     print(header)
-    for rule in rules():
-        name = rule.get("record") or rule["alert"]
-        kind = "rule" if "record" in rule else "alert"
-        print(f"  {kind + ' ' + name:<76} " + timed_query(server, rule["expr"], at, repeats, None).row())
+    group_s: dict[str, float] = {}
+    for path in RULE_FILES:
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            for rule in group["rules"]:
+                name = rule.get("record") or rule["alert"]
+                kind = "rule" if "record" in rule else "alert"
+                timing = timed_query(server, rule["expr"], at, repeats, None)
+                print(f"  {kind + ' ' + name:<76} " + timing.row())
+                group_s[group["name"]] = group_s.get(group["name"], 0.0) + (statistics.median(timing.runs_s)
+                                                                            if timing.runs_s else float("nan"))
+    print("  one evaluation of each rule group (sum of its rules' medians): "
+          + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in group_s.items())
+          + f"; all {sum(group_s.values()):.3f} s")
     for path in sorted(dashboards.glob("*.json")):
         # As a user opens it: every job, the dashboard's own rank and top-k defaults, 1 h shown.
         print(f"  dashboard {path.name} (default variables, $__range = 1h; * = as the panel runs it)")

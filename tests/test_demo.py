@@ -8,6 +8,7 @@ the ranks run. The runs are session fixtures of ``demo_runs.py``, shared with ``
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tensorplay.analysis.straggler import SHARE_THRESHOLD
 
 from .demo_runs import Demo, has_sample, scrape
 from .ranks import free_base_port
@@ -38,6 +41,7 @@ def test_two_ranks_report_no_straggler_and_serve_metrics(two_ranks: Demo) -> Non
     assert "injected:" not in demo.stdout
     for rank, body in demo.scraped.items():
         assert has_sample(body, "tensorplay_wire_bytes_total", rank=str(rank), hook="fp16_compress_hook")
+    assert all(row["costs the job"].endswith(" %") and row["end wait"].endswith(" ms") for row in demo.table())
     for row in demo.table():
         assert row["steps"] == "12" and row["shadowed"] == "-"
         assert row["non-finite"] == "0" and row["rel. error"] != "-"  # fp16 compresses; step 0 is sampled
@@ -46,8 +50,12 @@ def test_two_ranks_report_no_straggler_and_serve_metrics(two_ranks: Demo) -> Non
 def test_two_ranks_name_the_injected_straggler(two_ranks_straggler: Demo) -> None:
     demo = two_ranks_straggler
     _assert_ran(demo, 2)
-    assert demo.verdict().startswith("straggler: rank 1 "), demo.stdout
+    assert demo.verdict().startswith("straggler: rank 1 costs the job "), demo.stdout
     assert "injected: rank 1 sleeps 40 ms per step (found)" in demo.stdout
+    # Its peers wait for its 40 ms sleep at the end of every step: that is what it costs the job.
+    shares = [int(row["costs the job"].removesuffix(" %")) for row in demo.table()]
+    lateness_ms = float(re.search(r"every step \((\d+\.\d) ms:", demo.verdict()).group(1))
+    assert shares[0] == 0 and shares[1] >= 100 * SHARE_THRESHOLD and lateness_ms >= 0.8 * 40, demo.stdout
     assert all(row["rel. error"] == "-" for row in demo.table())  # allreduce_hook does not compress
 
 
@@ -96,6 +104,9 @@ BAD_FLAGS = [
     (["--hook", "no_such_hook"], "invalid choice: 'no_such_hook'"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--steps", "many"], "invalid int value: 'many'"),
+    (["--straggler-batch-factor", "0"], "--straggler-batch-factor must be at least 1"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--straggler-kind", "slow"], "invalid choice: 'slow'"),
 ]
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "job_argv",
     "extra_batches",
     "DEFAULT_STEPS",
+    "DEFAULT_BATCH",
     "DEFAULT_STRAGGLER_DELAY_MS",
     "DEFAULT_STRAGGLER_BATCH_FACTOR",
     "STRAGGLER_KINDS",
@@ -24,6 +25,7 @@ __all__ = [
 ]
 
 DEFAULT_STEPS = 40
+DEFAULT_BATCH = 32
 DEFAULT_STRAGGLER_DELAY_MS = 40.0
 DEFAULT_STRAGGLER_BATCH_FACTOR = 16
 STRAGGLER_KINDS = ("sleep", "batch")
@@ -46,6 +48,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of the training job itself (everything but how many ranks to start)."""
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="S",
                         help=f"batches per rank (with --uneven, rank 0's count; default {DEFAULT_STEPS})")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, metavar="B",
+                        help=f"extra flag: samples per batch on every rank (default {DEFAULT_BATCH}); a bigger "
+                             "batch everywhere makes a uniformly slow job")
     parser.add_argument("--hook", default=DEFAULT_HOOK, choices=HOOK_NAMES, metavar="NAME",
                         help=f"communication hook, registered as traced(NAME): {', '.join(HOOK_NAMES)} "
                              f"(default {DEFAULT_HOOK})")
@@ -95,6 +100,8 @@ def job_problem(args: argparse.Namespace, world_size: int, local_world_size: int
     """
     if args.steps < 1:
         return f"--steps must be at least 1, got {args.steps}"
+    if args.batch_size < 1:
+        return f"--batch-size must be at least 1, got {args.batch_size}"
     if args.straggler_rank is not None:
         if world_size < 2:
             return "--straggler-rank needs peers to straggle behind: use --world-size 2 or more"
@@ -134,7 +141,7 @@ def _hang_problem(args: argparse.Namespace, world_size: int) -> str | None:
 
 def job_argv(args: argparse.Namespace) -> list[str]:
     """Turn parsed job flags back into the command line every rank gets."""
-    argv = ["--steps", str(args.steps), "--hook", args.hook,
+    argv = ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--hook", args.hook,
             "--straggler-delay-ms", repr(args.straggler_delay_ms), "--straggler-kind", args.straggler_kind,
             "--straggler-batch-factor", str(args.straggler_batch_factor), "--linger-s", repr(args.linger_s)]
     optional = {

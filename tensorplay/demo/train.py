@@ -56,7 +56,6 @@ IN_FEATURES = 128
 WIDTH = 384
 DEPTH = 6
 OUT_FEATURES = 16
-BATCH = 32
 BUCKET_CAP_MB = 1.0  # about 0.6 MB per hidden layer: DDP makes four or more buckets
 
 
@@ -83,7 +82,7 @@ class _SyntheticData:
         self._teacher = torch.randn(IN_FEATURES, OUT_FEATURES, generator=teacher) / IN_FEATURES**0.5
         self._inputs = torch.Generator().manual_seed(rank)
 
-    def batch(self, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = torch.randn(size, IN_FEATURES, generator=self._inputs)
         return inputs, torch.tanh(inputs @ self._teacher)
 
@@ -105,12 +104,12 @@ def _metrics_figures(metrics: TensorplayMetrics, rank: int) -> dict[str, float |
     }
 
 
-def _injected(delay_s: float, batch_size: int) -> str | None:
+def _injected(delay_s: float, factor: int, batch_size: int) -> str | None:
     """The straggler the demo made of this rank, in words (None: none)."""
     if delay_s:
         return f"sleeps {delay_s * 1e3:g} ms per step"
-    if batch_size != BATCH:
-        return f"trains a {batch_size // BATCH}x batch ({batch_size} samples against its peers' {BATCH})"
+    if factor != 1:
+        return f"trains a {factor}x batch ({factor * batch_size} samples against its peers' {batch_size})"
     return None
 
 
@@ -170,7 +169,8 @@ def train(args: argparse.Namespace) -> None:
     batches = batch_count(rank, args.steps, args.uneven)
     straggler = args.straggler_rank == rank
     delay_s = args.straggler_delay_ms / 1e3 if straggler and args.straggler_kind == "sleep" else 0.0
-    batch_size = BATCH * args.straggler_batch_factor if straggler and args.straggler_kind == "batch" else BATCH
+    factor = args.straggler_batch_factor if straggler and args.straggler_kind == "batch" else 1
+    batch_size = args.batch_size * factor
     progress = ProgressWriter(run_dir, rank, batches, metrics_url) if run_dir is not None else None
     live_state = RankStateWriter(run_dir, rank, metrics) if run_dir is not None else None
     stuck_at = hang_step(args) if args.hang_rank == rank and not args.hang_inside_collective else None
@@ -211,7 +211,7 @@ def train(args: argparse.Namespace) -> None:
             "hook": args.hook,
             "batches": batches,
             "uneven": args.uneven,
-            "straggler": _injected(delay_s, batch_size),
+            "straggler": _injected(delay_s, factor, args.batch_size),
             "first_loss": losses[0],
             "last_loss": losses[-1],
             "wall_seconds": wall_s,
