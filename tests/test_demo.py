@@ -7,12 +7,14 @@ the ranks run. The runs are session fixtures of ``demo_runs.py``, shared with ``
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -128,3 +130,35 @@ def test_console_script_runs_the_same_cli() -> None:
     for flag in ("--world-size", "--steps", "--hook", "--straggler-rank", "--straggler-delay-ms", "--uneven",
                  "--metrics-port", "--otlp-endpoint"):
         assert flag in result.stdout
+
+
+def test_a_ranks_final_state_write_does_not_race_its_writer_thread(tmp_path: Path, monkeypatch) -> None:
+    """A rank's last state write (training over) and its writer thread's periodic one used to share
+    one temporary file: when the thread renamed it first, the rank's own rename failed and the rank
+    died at the end of a finished run. Here the final write holds its temporary file for longer
+    than the thread's period, as a loaded machine does."""
+    from prometheus_client import CollectorRegistry
+
+    from tensorplay.demo import hang
+    from tensorplay.demo.rundir import RunDir, read_json, write_json
+    from tensorplay.telemetry import TensorplayMetrics
+
+    thread_wrote = threading.Event()
+
+    def slow_final_write(path: Path, value: dict) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            write_json(path, value)
+            thread_wrote.set()
+            return
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(value), encoding="utf-8")
+        thread_wrote.clear()
+        thread_wrote.wait(timeout=4 * hang._WRITE_EVERY_S)  # the thread writes meanwhile, if it still runs
+        os.replace(partial, path)
+
+    monkeypatch.setattr(hang, "write_json", slow_final_write)
+    run_dir = RunDir(str(tmp_path))
+    writer = hang.RankStateWriter(run_dir, 0, TensorplayMetrics(CollectorRegistry()))
+    assert thread_wrote.wait(timeout=5)  # the thread is writing every period
+    writer.finished()
+    assert read_json(run_dir.state(0))["finished"] is True
