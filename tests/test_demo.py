@@ -108,7 +108,6 @@ BAD_FLAGS = [
     (["--steps", "many"], "invalid int value: 'many'"),
     (["--straggler-batch-factor", "0"], "--straggler-batch-factor must be at least 1"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--straggler-kind", "slow"], "invalid choice: 'slow'"),
 ]
 
 
