@@ -3,13 +3,13 @@
 For each job size N it prints:
 
 1. the series one rank serves and the job's total, counted from the real exposition;
-2. alerts: every scenario of tests/synthetic_job.py (healthy, a x1.6 and a x1.2 straggler, a slow
-   node, uniformly slow, an uneven Join, an overflow) as a job of N ranks over
+2. alerts: every scenario of tests/synthetic_job.py (healthy, a x1.6 and a x1.2 straggler, a
+   straggler with x2.5 backward, a slow node, uniformly slow, an uneven Join, an overflow) as a job of N ranks over
    ``--scenario-minutes``, backfilled with the recording rules into one Prometheus; for each alert
    of deploy/prometheus/rules/tensorplay.alerts.yml, the ranks its expression returns at the end
    and held for its ``for:`` (count and first few), and the notifications Alertmanager makes of
-   them (deploy/alertmanager/alertmanager.yml's group_by). The healthy job's highest straggler
-   score is the noise floor at N;
+   them (deploy/alertmanager/alertmanager.yml's group_by). The healthy job's highest share of
+   every step (job:tensorplay_step_lateness:max_ratio5m) is the noise floor at N;
 3. cost: one job of N ranks (the x1.6 straggler) over ``--minutes``, blocks compacted as a
    long-running server holds them; median and p95 wall time of every recording rule and alert
    expression (instant), and every dashboard panel query with the dashboard's default variables
@@ -17,8 +17,9 @@ For each job size N it prints:
    the series and bytes answered and Prometheus' peak samples. Queries over 1 s are flagged
    ("> 1 s"; in brackets where the panel does not run the query that way).
 
-``--noise-floor`` prints the score of the slowest healthy rank at 5 % between-rank spread
-(``--spread``) for 64, 512, 4,096 and 10,000 ranks, from the generator alone (over 10 seeds).
+``--noise-floor`` prints the share of every step the job waits for its latest healthy rank at 5 %
+between-rank spread (``--spread``) for 64, 512, 4,096 and 10,000 ranks, from the generator alone
+(over 10 seeds), as the recording rules compute it.
 
 Run from the repository root (needs promtool and prometheus: apt-get install prometheus)::
 
@@ -41,13 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tensorplay.analysis.straggler import MIN_LATENESS_S, SHARE_THRESHOLD  # noqa: E402
 from tensorplay.telemetry.names import Metric  # noqa: E402
 from tests.alert_firing import firing, notifications  # noqa: E402
-from tests.alert_rules import alerts, rules  # noqa: E402
+from tests.alert_rules import RULE_FILES, alerts  # noqa: E402
 from tests.backfill import aligned_start, backfilled_prometheus, evaluation_time  # noqa: E402
 from tests.dashboard_queries import dashboard_queries  # noqa: E402
 from tests.prometheus_server import PrometheusServer  # noqa: E402
@@ -136,10 +139,19 @@ def timed_query(server: PrometheusServer, expr: str, at: float, repeats: int, ra
 def timing_table(server: PrometheusServer, at: float, repeats: int, dashboards: Path) -> None:
     header = f"  {'query':<76} {'median':>8} {'p95':>8} {'n':>3} {'series':>7} {'MB':>9} {'peak samples':>12}"
     print(header)
-    for rule in rules():
-        name = rule.get("record") or rule["alert"]
-        kind = "rule" if "record" in rule else "alert"
-        print(f"  {kind + ' ' + name:<76} " + timed_query(server, rule["expr"], at, repeats, None).row())
+    group_s: dict[str, float] = {}
+    for path in RULE_FILES:
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            for rule in group["rules"]:
+                name = rule.get("record") or rule["alert"]
+                kind = "rule" if "record" in rule else "alert"
+                timing = timed_query(server, rule["expr"], at, repeats, None)
+                print(f"  {kind + ' ' + name:<76} " + timing.row())
+                group_s[group["name"]] = group_s.get(group["name"], 0.0) + (statistics.median(timing.runs_s)
+                                                                            if timing.runs_s else float("nan"))
+    print("  one evaluation of each rule group (sum of its rules' medians): "
+          + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in group_s.items())
+          + f"; all {sum(group_s.values()):.3f} s")
     for path in sorted(dashboards.glob("*.json")):
         # As a user opens it: every job, the dashboard's own rank and top-k defaults, 1 h shown.
         print(f"  dashboard {path.name} (default variables, $__range = 1h; * = as the panel runs it)")
@@ -156,23 +168,32 @@ def timing_table(server: PrometheusServer, at: float, repeats: int, dashboards: 
 # -- noise floor ----------------------------------------------------------------------------------
 
 
-def slowest_healthy_score(ranks: int, seed: int, spread: float) -> float:
-    """The straggler score of the slowest rank of a healthy job, as the recording rules compute it
-    from the generator's compute histogram: 5m mean over the median of the other ranks' means."""
-    job = SyntheticJob(Scenario("healthy"), ranks, 5, 0.0, seed=seed, spread=spread)
-    (family,) = [f for f in job.families if f.name == Metric.STEP_COMPUTE]
-    totals = {s.name.rsplit("_", 1)[1]: v for s, v in job.values(family, 0, ranks) if s.name.endswith(("_sum", "_count"))}
-    means = (totals["sum"][:, -1] - totals["sum"][:, 0]) / (totals["count"][:, -1] - totals["count"][:, 0])
-    ordered = np.sort(means)
-    return float(ordered[-1] / np.median(ordered[:-1]))
+def highest_healthy_share(ranks: int, seed: int, spread: float) -> tuple[float, float]:
+    """The share of every step and the seconds per step the job waits for its latest healthy rank,
+    as the recording rules compute them from the generator's end-of-step waits over the last 5m:
+    the median of the ranks' fractions of time waited without the lowest, minus the lowest."""
+    job = SyntheticJob(Scenario("healthy"), ranks, 6, 0.0, seed=seed, spread=spread)
+    window = int(round(300 / SCRAPE_INTERVAL_S))
+    increase = {family.name: values[:, -1] - values[:, -1 - window]
+                for family in job.families if family.name in (Metric.STEP_WAIT, Metric.STEP_SECONDS, Metric.STEPS)
+                for _, values in job.values(family, 0, ranks)}
+    waited = increase[Metric.STEP_WAIT] / increase[Metric.STEP_SECONDS]
+    ordered = np.argsort(waited)
+    share = float(np.median(waited[ordered[1:]]) - waited[ordered[0]])
+    latest = ordered[0]
+    return share, share * float(increase[Metric.STEP_SECONDS][latest] / increase[Metric.STEPS][latest])
 
 
 def noise_floor(sizes: list[int], seeds: int, spread: float) -> None:
-    print(f"noise floor: the slowest healthy rank's straggler score at {spread:.0%} spread ({seeds} seeds)")
-    print(f"  {'ranks':>7} {'mean':>6} {'min':>6} {'max':>6}")
+    print(f"noise floor: the share of every step the job waits for its latest healthy rank, at {spread:.0%} "
+          f"between-rank spread ({seeds} seeds; TensorplayStragglerRank needs {SHARE_THRESHOLD:.0%} "
+          f"and {MIN_LATENESS_S * 1e3:g} ms)")
+    print(f"  {'ranks':>7} {'mean':>6} {'min':>6} {'max':>6}   {'ms per step (max)':>17}")
     for ranks in sizes:
-        scores = [slowest_healthy_score(ranks, seed, spread) for seed in range(seeds)]
-        print(f"  {ranks:>7} {statistics.mean(scores):6.3f} {min(scores):6.3f} {max(scores):6.3f}")
+        figures = [highest_healthy_share(ranks, seed, spread) for seed in range(seeds)]
+        shares = [share for share, _ in figures]
+        print(f"  {ranks:>7} {statistics.mean(shares):6.1%} {min(shares):6.1%} {max(shares):6.1%}   "
+              f"{1e3 * max(per_step for _, per_step in figures):17.1f}")
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -218,9 +239,9 @@ def main() -> None:
                     print(f"\nalerts: {len(jobs)} jobs of {ranks} ranks x {args.scenario_minutes:g} min "
                           f"(backfilled in {time.perf_counter() - began:.0f} s)")
                     alert_table(server, scenarios, at)
-                    score = server.query_values('max by (job) (job_rank:tensorplay_step_compute_seconds:straggler_score5m)',
-                                                by="job", at=at)
-                    print("  highest straggler score per job: " + ", ".join(f"{j} {v:.3f}" for j, v in sorted(score.items())))
+                    share = server.query_values('job:tensorplay_step_lateness:max_ratio5m', by="job", at=at)
+                    print("  highest share of every step per job: "
+                          + ", ".join(f"{j} {v:.1%}" for j, v in sorted(share.items())))
                 shutil.rmtree(workdir / "alerts")
             if "cost" not in args.skip:
                 scenario = standard_scenarios(ranks, hooks)[1]

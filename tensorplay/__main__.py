@@ -2,6 +2,6 @@
 
 import sys
 
-from tensorplay.demo.cli import main
+from tensorplay.cli import main
 
 sys.exit(main())

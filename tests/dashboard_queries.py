@@ -59,6 +59,9 @@ CONTRACT_METRICS: dict[str, str] = {
     # ... and its documented extensions.
     "tensorplay_telemetry_errors_total": "counter",
     "tensorplay_bucket_nonfinite_elements_total": "counter",
+    "tensorplay_step_wait_seconds_total": "counter",
+    "tensorplay_step_seconds_total": "counter",
+    "tensorplay_steps_total": "counter",
 }
 """Every metric tensorplay exports, as the contract names it, with its type. Each carries `rank`."""
 

@@ -1,9 +1,10 @@
-"""A small PromQL reader for the dashboard and rule tests.
+"""What the dashboard and rule tests read of PromQL: the series a query reads and the labels it keeps.
 
-:func:`parse` turns an expression into a tree (:class:`Vector`, :class:`Subquery`,
-:class:`Aggregate`, :class:`Call`, :class:`Binary`, :class:`Unary`, :class:`Literal`); Grafana
-variables such as ``$topk`` or ``$__range`` are read as literals, so a dashboard's raw query parses
-as it is. On that tree:
+:func:`parse` reads an expression with the ``promql-parser`` package (Prometheus' own grammar,
+ported) and turns its tree into this module's small one (:class:`Vector`, :class:`Subquery`,
+:class:`Aggregate`, :class:`Call`, :class:`Binary`, :class:`Unary`, :class:`Literal`). Grafana
+variables such as ``$topk`` or ``$__range`` stand in as numbers and durations while it parses and
+come back as literals, so a dashboard's raw query parses as it is. On that tree:
 
 - :func:`selectors` lists the series an expression reads, with their label matchers and range;
 - :func:`per_rank_selectors` lists the selectors whose ``rank`` label reaches the result with
@@ -14,10 +15,9 @@ as it is. On that tree:
   pinned to one instant (``@ end()``), which a range query needs to keep the same ranks at every
   step.
 
-It knows the whole PromQL grammar that Prometheus 2.x evaluates (selectors, ranges, subqueries,
-``offset``, ``@``, functions, aggregations with ``by``/``without`` before or after their
-arguments, binary operators with ``bool``, ``on``/``ignoring`` and ``group_left``/``group_right``,
-operator precedence) and nothing of what a query means beyond the labels it keeps.
+The grammar (precedence, ``by``/``without`` on either side, ``bool``, ``on``/``ignoring``,
+``group_left``/``group_right``, subqueries, ``offset``, ``@``) is promql-parser's; this module
+knows nothing of what a query means beyond the labels it keeps.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Iterator, NamedTuple, Union
+
+import promql_parser
 
 __all__ = [
     "Aggregate",
@@ -130,221 +133,109 @@ class Literal:
 
 Node = Union[Vector, Subquery, Aggregate, Call, Binary, Unary, Literal]
 
-_AGGREGATIONS = {
-    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk", "topk",
-    "quantile", "limitk", "limit_ratio",
-}
 _SCALAR_FUNCTIONS = {"time", "scalar", "pi"}
 _NO_SERIES_FUNCTIONS = _SCALAR_FUNCTIONS | {"vector", "absent", "absent_over_time"}
-_PRECEDENCE = {
-    "or": 1,
-    "and": 2, "unless": 2,
-    "==": 3, "!=": 3, "<": 3, "<=": 3, ">": 3, ">=": 3,
-    "+": 4, "-": 4,
-    "*": 5, "/": 5, "%": 5, "atan2": 5,
-    "^": 6,
-}
-_TOKEN = re.compile(
-    r"""
-    (?P<space>\s+|\#[^\n]*)
-  | (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)
-  | (?P<duration>(?:\d+(?:ms|[smhdwy]))+\b)
-  | (?P<number>0x[0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
-  | (?P<ident>[a-zA-Z_:][a-zA-Z0-9_:]*)
-  | (?P<variable>\$\{?\w+(?::\w+)?\}?)
-  | (?P<op>=~|!~|!=|==|<=|>=|[-+*/%^<>=(){}\[\],@:])
-    """,
-    re.VERBOSE,
-)
+
+# Grafana variables outside string literals: `$topk`, `${topk}`, `$__range`, `[$__rate_interval]`.
+_VARIABLE_OR_STRING = re.compile(r"""(?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)|(?P<variable>\$\{?\w+(?::\w+)?\}?)""")
+_NUMBER_BASE = 9_000_000_000  # stand-in numbers no real query uses ...
+_DAYS_BASE = 70_000  # ... and stand-in durations (in days: some 190 years)
+_MATCH_OPS = {"Equal": "=", "NotEqual": "!=", "Re": "=~", "NotRe": "!~"}
 
 
-def _tokens(expr: str) -> list[tuple[str, str]]:
-    tokens, pos = [], 0
-    while pos < len(expr):
-        match = _TOKEN.match(expr, pos)
-        if not match:
-            raise ValueError(f"cannot read {expr[pos:pos + 20]!r} in {expr!r}")
-        if match.lastgroup != "space":
-            tokens.append((match.lastgroup, match.group()))
-        pos = match.end()
-    return tokens
-
-
-def _unquote(text: str) -> str:
-    if text.startswith("`"):
-        return text[1:-1]
-    return json.loads('"' + text[1:-1].replace('\\"', '"').replace('"', '\\"') + '"')
-
-
-class _Parser:
-    """Precedence climbing over the tokens of one expression."""
+class _Variables:
+    """Stands Grafana variables in for numbers and durations promql-parser accepts, and back."""
 
     def __init__(self, expr: str) -> None:
-        self.expr = expr
-        self.tokens = _tokens(expr)
-        self.pos = 0
+        self.names: list[str] = []
+        self.expr = _VARIABLE_OR_STRING.sub(self._stand_in, expr)
 
-    def error(self, what: str) -> ValueError:
-        return ValueError(f"{what} at token {self.pos} of {self.expr!r}")
+    def _stand_in(self, match: re.Match) -> str:
+        if match.group("string") is not None:
+            return match.group()
+        self.names.append(match.group("variable"))
+        index = len(self.names) - 1
+        before = match.string[: match.start()].rstrip()
+        return f"{_DAYS_BASE + index}d" if before.endswith(("[", ":")) else str(_NUMBER_BASE + index)
 
-    def peek(self, ahead: int = 0) -> tuple[str, str]:
-        index = self.pos + ahead
-        return self.tokens[index] if index < len(self.tokens) else ("end", "")
+    def number(self, value: float) -> str:
+        index = int(value) - _NUMBER_BASE
+        if value == int(value) and 0 <= index < len(self.names):
+            return self.names[index]
+        return str(int(value)) if value == int(value) else repr(value)
 
-    def take(self, expected: str | None = None) -> tuple[str, str]:
-        token = self.peek()
-        if token[0] == "end" or (expected is not None and token[1] != expected):
-            raise self.error(f"expected {expected or 'more'}, found {token[1]!r}")
-        self.pos += 1
-        return token
+    def duration(self, value: timedelta) -> str:
+        index = value.days - _DAYS_BASE
+        if 0 <= index < len(self.names):
+            return self.names[index]
+        return promql_parser.display_duration(value)
 
-    def parse(self) -> Node:
-        node = self.binary(1)
-        if self.peek()[0] != "end":
-            raise self.error(f"unexpected {self.peek()[1]!r}")
-        return node
 
-    def binary(self, lowest: int) -> Node:
-        node = self.unary()
-        while True:
-            op = self.peek()[1]
-            precedence = _PRECEDENCE.get(op)
-            if precedence is None or precedence < lowest or self.peek()[0] not in ("op", "ident"):
-                return node
-            self.take()
-            if self.peek()[1] == "bool":
-                self.take()
-            on = ignoring = group = None
-            if self.peek()[1] in ("on", "ignoring"):
-                keyword = self.take()[1]
-                labels = self.label_list()
-                on, ignoring = (labels, None) if keyword == "on" else (None, labels)
-            if self.peek()[1] in ("group_left", "group_right"):
-                group = self.take()[1].removeprefix("group_")
-                if self.peek()[1] == "(":
-                    self.label_list()
-            # ^ is right-associative; every other operator left-associative.
-            rhs = self.binary(precedence if op == "^" else precedence + 1)
-            node = Binary(op, node, rhs, on, ignoring, group)
+def _at(modifier: promql_parser.AtModifier | None) -> str | None:
+    if modifier is None:
+        return None
+    if modifier.type == promql_parser.AtModifierType.End:
+        return "end()"
+    if modifier.type == promql_parser.AtModifierType.Start:
+        return "start()"
+    return str(modifier).removeprefix("@ ")
 
-    def unary(self) -> Node:
-        if self.peek()[1] in ("-", "+"):
-            op = self.take()[1]
-            return Unary(op, self.binary(_PRECEDENCE["^"]))
-        return self.postfix(self.primary())
 
-    def label_list(self) -> tuple[str, ...]:
-        self.take("(")
-        labels = []
-        while self.peek()[1] != ")":
-            labels.append(self.take()[1])
-            if self.peek()[1] == ",":
-                self.take()
-        self.take(")")
-        return tuple(labels)
+def _selector(node: promql_parser.VectorSelector, range_: str | None) -> Selector:
+    if node.name is None:
+        raise ValueError(f"a selector without a metric name: {node}")
+    matchers = {m.name: (_MATCH_OPS[str(m.op).rpartition(".")[2]], m.value) for m in node.matchers.matchers}
+    return Selector(node.name, matchers, range_)
 
-    def primary(self) -> Node:
-        kind, text = self.peek()
-        if text == "(":
-            self.take()
-            node = self.binary(1)
-            self.take(")")
-            return node
-        if text == "{":
-            raise self.error("selector without a metric name")
-        if kind in ("number", "string", "variable", "duration"):
-            self.take()
-            return Literal(text)
-        if kind != "ident":
-            raise self.error("unexpected end" if kind == "end" else f"unexpected {text!r}")
-        if text.lower() in ("inf", "nan"):
-            self.take()
-            return Literal(text)
-        following = self.peek(1)[1]
-        if text in _AGGREGATIONS and following in ("(", "by", "without"):
-            return self.aggregate()
-        if following == "(":
-            self.take()
-            return Call(text, self.arguments())
-        return self.selector()
 
-    def arguments(self) -> tuple[Node, ...]:
-        self.take("(")
-        args = []
-        while self.peek()[1] != ")":
-            args.append(self.binary(1))
-            if self.peek()[1] == ",":
-                self.take()
-        self.take(")")
-        return tuple(args)
+def _node(node: promql_parser.Expr, variables: _Variables) -> Node:
+    """The tree of this module for one node of promql-parser's."""
+    def child(expr: promql_parser.Expr) -> Node:
+        return _node(expr, variables)
 
-    def aggregate(self) -> Aggregate:
-        op = self.take()[1]
-        grouping, without = None, False
-        if self.peek()[1] in ("by", "without"):
-            without = self.take()[1] == "without"
-            grouping = self.label_list()
-        args = self.arguments()
-        if grouping is None and self.peek()[1] in ("by", "without"):
-            without = self.take()[1] == "without"
-            grouping = self.label_list()
-        param, expr = (args[0], args[1]) if len(args) == 2 else (None, args[0])
-        return Aggregate(op, grouping, without, param, expr)
-
-    def selector(self) -> Vector:
-        metric = self.take()[1]
-        matchers: dict[str, tuple[str, str]] = {}
-        if self.peek()[1] == "{":
-            self.take()
-            while self.peek()[1] != "}":
-                label, op, value = self.take()[1], self.take()[1], self.take()
-                if value[0] != "string":
-                    raise self.error(f"bad matcher {label}{op}{value[1]}")
-                matchers[label] = (op, _unquote(value[1]))
-                if self.peek()[1] == ",":
-                    self.take()
-            self.take("}")
-        return Vector(Selector(metric, matchers, None))
-
-    def postfix(self, node: Node) -> Node:
-        while True:
-            text = self.peek()[1]
-            if text == "[":
-                self.take()
-                parts = []
-                while self.peek()[1] != "]":
-                    parts.append(self.take()[1])
-                self.take("]")
-                window = "".join(parts)
-                if isinstance(node, Vector) and node.selector.range is None and ":" not in window:
-                    node = Vector(node.selector._replace(range=window), node.at)
-                else:
-                    node = Subquery(node, window)
-            elif text == "offset":
-                self.take()
-                if self.peek()[1] == "-":
-                    self.take()
-                self.take()
-            elif text == "@":
-                self.take()
-                at = self.take()[1]
-                if at in ("start", "end"):
-                    self.take("(")
-                    self.take(")")
-                    at += "()"
-                if isinstance(node, Vector):
-                    node = Vector(node.selector, at)
-                elif isinstance(node, Subquery):
-                    node = Subquery(node.expr, node.range, at)
-                else:
-                    raise self.error("@ applies to a selector or a subquery only")
-            else:
-                return node
+    if isinstance(node, promql_parser.ParenExpr):
+        return child(node.expr)
+    if isinstance(node, promql_parser.VectorSelector):
+        return Vector(_selector(node, None), _at(node.at))
+    if isinstance(node, promql_parser.MatrixSelector):
+        inner = node.vector_selector
+        return Vector(_selector(inner, variables.duration(node.range)), _at(inner.at))
+    if isinstance(node, promql_parser.SubqueryExpr):
+        return Subquery(child(node.expr), variables.duration(node.range), _at(node.at))
+    if isinstance(node, promql_parser.AggregateExpr):
+        modifier = node.modifier
+        grouping = tuple(modifier.labels) if modifier is not None else None
+        without = modifier is not None and modifier.type == promql_parser.AggModifierType.Without
+        param = child(node.param) if node.param is not None else None
+        return Aggregate(str(node.op), grouping, without, param, child(node.expr))
+    if isinstance(node, promql_parser.Call):
+        return Call(node.func.name, tuple(child(arg) for arg in node.args))
+    if isinstance(node, promql_parser.BinaryExpr):
+        modifier = node.modifier
+        on = ignoring = group = None
+        if modifier is not None:
+            if modifier.matching is not None:
+                labels = tuple(modifier.matching.labels)
+                include = modifier.matching.type == promql_parser.LabelModifierType.Include
+                on, ignoring = (labels, None) if include else (None, labels)
+            if modifier.card == promql_parser.VectorMatchCardinality.ManyToOne:
+                group = "left"
+            elif modifier.card == promql_parser.VectorMatchCardinality.OneToMany:
+                group = "right"
+        return Binary(str(node.op), child(node.lhs), child(node.rhs), on, ignoring, group)
+    if isinstance(node, promql_parser.UnaryExpr):
+        return Unary("-", child(node.expr))
+    if isinstance(node, promql_parser.NumberLiteral):
+        return Literal(variables.number(node.val))
+    if isinstance(node, promql_parser.StringLiteral):
+        return Literal(json.dumps(node.val))
+    raise ValueError(f"no reading of {type(node).__name__}: {node}")
 
 
 def parse(expr: str) -> Node:
     """Return the tree of a PromQL expression; raise ValueError on one it cannot read."""
-    return _Parser(expr).parse()
+    variables = _Variables(expr)
+    return _node(promql_parser.parse(variables.expr), variables)
 
 
 def walk(node: Node) -> Iterator[Node]:

@@ -15,8 +15,16 @@ serve and nothing the code serves is left out.
   x1.6 straggler is x1.6 of the job's typical rank, not of its own draw); ``uniform_factor``
   slows every rank alike. Every rank runs the same number of steps (synchronous DDP: the slowest
   rank sets the pace);
+* backward between the buckets: 0.1 s a step on every rank; a rank of ``Scenario.backward_ranks``
+  takes ``backward_factor`` times that (a bigger batch: work its compute time never sees). A
+  rank's *work* per step is its compute plus its backward;
 * allreduce latency: a fixed collective time per bucket, plus, in the first bucket of a step, the
   wait for the slowest rank (a straggler waits least);
+* the end-of-step wait (``tensorplay_step_wait_seconds_total``, ``tensorplay_step_seconds_total``,
+  ``tensorplay_steps_total``): per step, the collective plus the slowest rank's work minus the
+  rank's own, with the rank's own noise of the interval, and the job's step period; a rank counts
+  none of them while it shadows in the Join, and a rank with several hooks splits the wait
+  between them (one DDP model each, every one a whole iteration long);
 * bytes, compression error and wire bytes from the hook's name (fp16/bf16 halve the bytes);
 * one Join halfway through the job: on a healthy job every rank shadows 0-2 iterations; with
   ``uneven_join`` 90 % of the ranks shadow 10 or more (each a different count); the Join series
@@ -61,6 +69,7 @@ RANKS_PER_NODE = 8
 """Ranks of one node: `instance` is ``node-<rank // 8>:<9400 + rank % 8>``; a slow node is 8 ranks."""
 
 _STEP_S = 0.2  # the job's typical compute per step
+_BACKWARD_S = 0.1  # backward between the first and the last bucket, every rank alike
 _STEP_NOISE = 0.1  # lognormal sigma of one step's compute around its rank's mean
 _BUCKETS_PER_STEP = 4  # gradient buckets (hook calls) per step and hook
 _BUCKET_BYTES = 25 * 2**20
@@ -138,6 +147,8 @@ class Scenario:
     hooks: tuple[str, ...] = ("fp16_compress_hook",)
     slow_ranks: tuple[int, ...] = ()
     slow_factor: float = 1.0
+    backward_ranks: tuple[int, ...] = ()
+    backward_factor: float = 1.0
     uniform_factor: float = 1.0
     uneven_join: bool = False
     overflow_hooks: tuple[str, ...] = ()
@@ -150,9 +161,10 @@ class Scenario:
 def standard_scenarios(ranks: int, hooks: Sequence[str] = ("fp16_compress_hook",), prefix: str = "") -> list[Scenario]:
     """The jobs the scale bench and test run, each a `job` of its own (``prefix`` + name).
 
-    healthy; one straggler at x1.6 (rank ranks // 3) and one at x1.2 (which must stay silent:
-    within the noise of a large job); a slow node (the 8 ranks of node 1 at x1.6); every rank x1.6
-    (uniformly slow); an uneven Join; an overflow on every hook.
+    healthy; one straggler at x1.6 compute (rank ranks // 3) and one at x1.2 (which must stay
+    silent: within the noise of a large job); one with x2.5 the backward of its peers (rank
+    ranks // 3: its compute is like theirs); a slow node (the 8 ranks of node 1 at x1.6); every rank
+    x1.6 (uniformly slow); an uneven Join; an overflow on every hook.
     """
     hooks = tuple(hooks)
     straggler = ranks // 3
@@ -161,6 +173,7 @@ def standard_scenarios(ranks: int, hooks: Sequence[str] = ("fp16_compress_hook",
         Scenario(f"{prefix}healthy", hooks),
         Scenario(f"{prefix}straggler-x1.6", hooks, slow_ranks=(straggler,), slow_factor=1.6),
         Scenario(f"{prefix}straggler-x1.2", hooks, slow_ranks=(straggler,), slow_factor=1.2),
+        Scenario(f"{prefix}backward-x2.5", hooks, backward_ranks=(straggler,), backward_factor=2.5),
         Scenario(f"{prefix}slow-node", hooks, slow_ranks=node, slow_factor=1.6),
         Scenario(f"{prefix}uniformly-slow", hooks, uniform_factor=1.6),
         Scenario(f"{prefix}uneven-join", hooks, uneven_join=True),
@@ -235,9 +248,16 @@ class SyntheticJob:
         return _STEP_S * scenario.uniform_factor * factor
 
     @cached_property
+    def work_mean_s(self) -> np.ndarray:
+        """Each rank's mean work per step (seconds): its compute, then its backward between buckets."""
+        backward = np.full(self.ranks, _BACKWARD_S * self.scenario.uniform_factor)
+        backward[list(self.scenario.backward_ranks)] *= self.scenario.backward_factor
+        return self.compute_mean_s + backward
+
+    @cached_property
     def step_period_s(self) -> float:
-        """Seconds per step of the whole job: its slowest rank's compute plus the collectives."""
-        return float(self.compute_mean_s.max()) + _BUCKETS_PER_STEP * _COLLECTIVE_S
+        """Seconds per step of the whole job: its slowest rank's work plus the collectives."""
+        return float(self.work_mean_s.max()) + _BUCKETS_PER_STEP * _COLLECTIVE_S
 
     @cached_property
     def steps(self) -> np.ndarray:
@@ -251,6 +271,25 @@ class SyntheticJob:
         new_steps = np.diff(self.steps, prepend=0)
         noise = self._rng.normal(0.0, 1.0, (self.ranks, len(self.times))) * _STEP_NOISE / np.sqrt(np.maximum(new_steps, 1))
         return np.cumsum(new_steps * self.compute_mean_s[:, None] * np.exp(noise), axis=1)
+
+    @cached_property
+    def _counted_steps(self) -> np.ndarray:
+        """Steps each rank counted in its end-of-step wait by each scrape (ranks x scrapes): all but
+        those it shadowed in the Join (the iterations before the Join moment, from the start at most)."""
+        shadow_from = self._join_unix - self.shadow_iterations * self.step_period_s
+        shadowing = (self.times[None, :] > shadow_from[:, None]) & (self.times[None, :] <= self._join_unix)
+        new_steps = np.diff(self.steps, prepend=0)[None, :] * ~shadowing
+        return np.cumsum(new_steps, axis=1)
+
+    @cached_property
+    def _end_wait_s(self) -> np.ndarray:
+        """Each rank's cumulative end-of-step wait (ranks x scrapes): per counted step the
+        collective plus how long the slowest rank's work outlasts its own, with its own noise."""
+        new_steps = np.diff(self._counted_steps, axis=1, prepend=0)
+        wait = _COLLECTIVE_S + self.work_mean_s.max() - self.work_mean_s
+        rng = np.random.default_rng([self.seed, self.ranks, 13, *self.scenario.job.encode()])
+        noise = rng.normal(0.0, 1.0, new_steps.shape) * _STEP_NOISE * _STEP_S / np.sqrt(np.maximum(new_steps, 1))
+        return np.cumsum(new_steps * np.maximum(wait[:, None] + noise, 0.0), axis=1)
 
     @cached_property
     def join_index(self) -> int:
@@ -305,7 +344,7 @@ class SyntheticJob:
         return self._histogram(series, self.steps.astype(float), self.compute_mean_s[ranks], _STEP_NOISE)
 
     def _allreduce_latency(self, series: Series, ranks: slice) -> np.ndarray:
-        wait = (self.compute_mean_s.max() - self.compute_mean_s[ranks]) / _BUCKETS_PER_STEP
+        wait = (self.work_mean_s.max() - self.work_mean_s[ranks]) / _BUCKETS_PER_STEP
         return self._histogram(series, self._bucket_calls, _COLLECTIVE_S + wait, _LATENCY_NOISE)
 
     def _compression_error(self, series: Series, ranks: slice) -> np.ndarray:
@@ -329,6 +368,15 @@ class SyntheticJob:
             return self._zeros(series, ranks)
         scrapes_overflowing = np.maximum(np.arange(len(self.times)) - self.join_index + 1, 0)
         return self._overflow_rate[ranks, None] * scrapes_overflowing[None, :]
+
+    def _step_wait(self, series: Series, ranks: slice) -> np.ndarray:
+        return self._end_wait_s[ranks] / len(self.scenario.hooks)
+
+    def _step_seconds(self, series: Series, ranks: slice) -> np.ndarray:
+        return self._counted_steps[ranks] * self.step_period_s
+
+    def _steps(self, series: Series, ranks: slice) -> np.ndarray:
+        return self._counted_steps[ranks].astype(float)
 
     def _zeros(self, series: Series, ranks: slice) -> np.ndarray:
         return np.zeros((ranks.stop - ranks.start, len(self.times)))
@@ -373,6 +421,9 @@ class SyntheticJob:
         Metric.WIRE_BYTES: _wire_bytes,
         Metric.NONFINITE: _nonfinite,
         Metric.BUCKET_NONFINITE: _zeros,
+        Metric.STEP_WAIT: _step_wait,
+        Metric.STEP_SECONDS: _step_seconds,
+        Metric.STEPS: _steps,
         Metric.LAST_STEP_TIMESTAMP: _last_step_timestamp,
         Metric.COLLECTIVE_WAITING_SINCE: _zeros,
         Metric.JOIN_TIMESTAMP: _join_timestamp,

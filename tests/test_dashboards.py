@@ -223,8 +223,8 @@ def test_rank_check_catches_a_per_rank_query():
     """The check above fails on a plain per-rank query, on a top-k ranked at every step, on a top-k
     of a number other than $topk, on "All ranks" by default."""
     path = REPO_ROOT / "dashboards" / "stragglers-join.json"
-    score = 'job_rank:tensorplay_step_compute_seconds:straggler_score5m{job=~"$job"}'
-    title = "Straggler score: highest $topk ranks (5m)"
+    score = 'job_rank:tensorplay_step_lateness:ratio5m{job=~"$job"}'
+    title = "Straggler share of every step: highest $topk ranks (5m)"
 
     def with_query(expr: str) -> dict:
         dashboard = load_dashboard(path)
@@ -234,14 +234,14 @@ def test_rank_check_catches_a_per_rank_query():
 
     assert rank_problems(load_dashboard(path)) == []
     assert rank_problems(with_query(score)) == [
-        f"{title}: one series per rank of job_rank:tensorplay_step_compute_seconds:straggler_score5m"]
+        f"{title}: one series per rank of job_rank:tensorplay_step_lateness:ratio5m"]
     assert rank_problems(with_query(f"sum by (job, rank) ({score})")) != []
     assert rank_problems(with_query(f"topk(10, {score})")) != []
     assert rank_problems(with_query(f"topk by (job, rank) ($topk, {score})")) != []
     assert rank_problems(with_query(f"topk($topk, {score})")) == [
         f"{title}: topk() of a range query ranks anew at every step (use @ end())"]
     # A comparison against one job-level series keeps every rank; matched on rank to a top-k it does not.
-    peers = 'job:tensorplay_step_compute_seconds:peers_median_mean5m{job=~"$job"}'
+    peers = 'job:tensorplay_step_wait_seconds:peers_median_ratio5m{job=~"$job"}'
     assert rank_problems(with_query(f"{score} > on (job) group_left {peers}")) != []
     assert rank_problems(with_query(f"{score} and on (job) topk($topk, {score} @ end())")) != []
     assert rank_problems(with_query(f"{score} and on (job, rank) topk($topk, {score} @ end())")) == []
@@ -321,7 +321,8 @@ def test_dashboard_queries_substitutes_variables():
     queries = dashboard_queries(path, job="demo", rank=["0", "3"], rate_interval="30s", topk="5", time_range="600s")
     assert queries and all("$" not in q.expr for q in queries)
     titles = {q.title for q in queries}
-    assert {"Straggler score by rank (5m)", "Straggler score: highest $topk ranks (5m)"} <= titles
+    assert {"Share of every step the job waits for, by rank (5m)",
+            "Straggler share of every step: highest $topk ranks (5m)"} <= titles
     exprs = " ".join(q.expr for q in queries)
     assert 'job=~"demo"' in exprs and 'rank=~"(0|3)"' in exprs and "[30s]" in exprs
     assert "topk(5, avg_over_time(" in exprs and "[600s] @ end()" in exprs

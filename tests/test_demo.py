@@ -7,15 +7,20 @@ the ranks run. The runs are session fixtures of ``demo_runs.py``, shared with ``
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tensorplay.analysis.straggler import SHARE_THRESHOLD
 
 from .demo_runs import Demo, has_sample, scrape
 from .ranks import free_base_port
@@ -38,6 +43,7 @@ def test_two_ranks_report_no_straggler_and_serve_metrics(two_ranks: Demo) -> Non
     assert "injected:" not in demo.stdout
     for rank, body in demo.scraped.items():
         assert has_sample(body, "tensorplay_wire_bytes_total", rank=str(rank), hook="fp16_compress_hook")
+    assert all(row["costs the job"].endswith(" %") and row["end wait"].endswith(" ms") for row in demo.table())
     for row in demo.table():
         assert row["steps"] == "12" and row["shadowed"] == "-"
         assert row["non-finite"] == "0" and row["rel. error"] != "-"  # fp16 compresses; step 0 is sampled
@@ -46,8 +52,12 @@ def test_two_ranks_report_no_straggler_and_serve_metrics(two_ranks: Demo) -> Non
 def test_two_ranks_name_the_injected_straggler(two_ranks_straggler: Demo) -> None:
     demo = two_ranks_straggler
     _assert_ran(demo, 2)
-    assert demo.verdict().startswith("straggler: rank 1 "), demo.stdout
+    assert demo.verdict().startswith("straggler: rank 1 costs the job "), demo.stdout
     assert "injected: rank 1 sleeps 40 ms per step (found)" in demo.stdout
+    # Its peers wait for its 40 ms sleep at the end of every step: that is what it costs the job.
+    shares = [int(row["costs the job"].removesuffix(" %")) for row in demo.table()]
+    lateness_ms = float(re.search(r"every step \((\d+\.\d) ms:", demo.verdict()).group(1))
+    assert shares[0] == 0 and shares[1] >= 100 * SHARE_THRESHOLD and lateness_ms >= 0.8 * 40, demo.stdout
     assert all(row["rel. error"] == "-" for row in demo.table())  # allreduce_hook does not compress
 
 
@@ -96,6 +106,8 @@ BAD_FLAGS = [
     (["--hook", "no_such_hook"], "invalid choice: 'no_such_hook'"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--steps", "many"], "invalid int value: 'many'"),
+    (["--straggler-batch-factor", "0"], "--straggler-batch-factor must be at least 1"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
 ]
 
 
@@ -117,3 +129,35 @@ def test_console_script_runs_the_same_cli() -> None:
     for flag in ("--world-size", "--steps", "--hook", "--straggler-rank", "--straggler-delay-ms", "--uneven",
                  "--metrics-port", "--otlp-endpoint"):
         assert flag in result.stdout
+
+
+def test_a_ranks_final_state_write_does_not_race_its_writer_thread(tmp_path: Path, monkeypatch) -> None:
+    """A rank's last state write (training over) and its writer thread's periodic one used to share
+    one temporary file: when the thread renamed it first, the rank's own rename failed and the rank
+    died at the end of a finished run. Here the final write holds its temporary file for longer
+    than the thread's period, as a loaded machine does."""
+    from prometheus_client import CollectorRegistry
+
+    from tensorplay.demo import hang
+    from tensorplay.demo.rundir import RunDir, read_json, write_json
+    from tensorplay.telemetry import TensorplayMetrics
+
+    thread_wrote = threading.Event()
+
+    def slow_final_write(path: Path, value: dict) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            write_json(path, value)
+            thread_wrote.set()
+            return
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(value), encoding="utf-8")
+        thread_wrote.clear()
+        thread_wrote.wait(timeout=4 * hang._WRITE_EVERY_S)  # the thread writes meanwhile, if it still runs
+        os.replace(partial, path)
+
+    monkeypatch.setattr(hang, "write_json", slow_final_write)
+    run_dir = RunDir(str(tmp_path))
+    writer = hang.RankStateWriter(run_dir, 0, TensorplayMetrics(CollectorRegistry()))
+    assert thread_wrote.wait(timeout=5)  # the thread is writing every period
+    writer.finished()
+    assert read_json(run_dir.state(0))["finished"] is True

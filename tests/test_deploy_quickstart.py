@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from tensorplay.demo.cli import build_parser
+from tensorplay.cli import build_parser
 from tensorplay.demo.options import job_problem
 from tensorplay.telemetry.metrics import DEFAULT_METRICS_PORT
 

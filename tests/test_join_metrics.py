@@ -66,6 +66,12 @@ def test_join_timing_served_per_rank(world_size: int) -> None:
         # Shadowed iterations are not this rank's own work: one compute observation per own
         # iteration that follows a completed one, in each of the two contexts.
         assert samples[("tensorplay_step_compute_seconds_count", label)] == 2 * own - 1
+        # The end-of-step wait counts the same steps: its own, after the first (which has no
+        # previous step to start from); never the shadowed ones, where it waits for its peers.
+        hooked = (("hook", "allreduce_hook"), *label)
+        assert samples[("tensorplay_steps_total", hooked)] == 2 * own - 1
+        waited, stepped = samples[("tensorplay_step_wait_seconds_total", hooked)], samples[("tensorplay_step_seconds_total", hooked)]
+        assert 0 < waited < stepped < outcome["ended"] - outcome["started"]
     assert joined_at == sorted(joined_at), "ranks with fewer inputs join first"
 
 

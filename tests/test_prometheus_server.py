@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from .alert_rules import alert_expr
 from .dashboard_queries import dashboard_paths, dashboard_queries
@@ -19,14 +19,16 @@ from .prometheus_server import PrometheusError, PrometheusServer, prometheus  # 
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+STEP_S = 0.05
 
 
 class FakeRank:
     """A rank's exposition: a fresh registry with a few tensorplay series, served on 127.0.0.1."""
 
-    def __init__(self, rank: int, compute_seconds: float) -> None:
+    def __init__(self, rank: int, compute_seconds: float, end_wait_seconds: float = 0.0) -> None:
         self.rank = str(rank)
         self.compute_seconds = compute_seconds
+        self.end_wait_seconds = end_wait_seconds
         self.registry = CollectorRegistry()
         self.latency = Histogram(
             "tensorplay_allreduce_latency_seconds", "latency", ("rank", "hook"),
@@ -35,6 +37,9 @@ class FakeRank:
         self.compute = Histogram(
             "tensorplay_step_compute_seconds", "compute", ("rank",), buckets=LATENCY_BUCKETS, registry=self.registry
         )
+        self.end_wait, self.step_time, self.steps = (
+            Counter(name, name, ("rank", "hook"), registry=self.registry)
+            for name in ("tensorplay_step_wait_seconds", "tensorplay_step_seconds", "tensorplay_steps"))
         self.last_step = Gauge("tensorplay_last_step_timestamp_seconds", "last", ("rank",), registry=self.registry)
         self.waiting_since = Gauge(
             "tensorplay_collective_waiting_since_timestamp_seconds", "waiting", ("rank",), registry=self.registry
@@ -42,8 +47,12 @@ class FakeRank:
         self.httpd, _thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
         self.target = f"127.0.0.1:{self.httpd.server_port}"
 
-    def step(self) -> None:
+    def step(self, period_s: float = STEP_S) -> None:
         self.compute.labels(rank=self.rank).observe(self.compute_seconds)
+        hook = {"rank": self.rank, "hook": "fp16_compress_hook"}
+        self.end_wait.labels(**hook).inc(self.end_wait_seconds)
+        self.step_time.labels(**hook).inc(period_s)
+        self.steps.labels(**hook).inc()
         self.latency.labels(rank=self.rank, hook="fp16_compress_hook").observe(0.004, {"trace_id": TRACE_ID})
         self.last_step.labels(rank=self.rank).set(time.time())
         self.waiting_since.labels(rank=self.rank).set(0)  # sampled between collectives
@@ -60,15 +69,17 @@ class FakeRank:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    """Job "fixture": rank 0 computes 20 ms a step, rank 1 (a straggler) 80 ms; both step every 50 ms."""
-    ranks = [FakeRank(0, 0.02), FakeRank(1, 0.08)]
+    """Job "fixture": both ranks step every 50 ms; rank 1 (a straggler) arrives last at every step's
+    end: rank 0 waits 40 ms there for it, rank 1 5 ms -- 70 % of every step is waiting for rank 1.
+    Rank 1 also computes 80 ms a step to rank 0's 20 (for the compute panels)."""
+    ranks = [FakeRank(0, 0.02, end_wait_seconds=0.04), FakeRank(1, 0.08, end_wait_seconds=0.005)]
     stop = threading.Event()
 
     def loop() -> None:
         while not stop.is_set():
             for rank in ranks:
                 rank.step()
-            stop.wait(0.05)
+            stop.wait(STEP_S)
 
     for rank in ranks:
         rank.step()
@@ -145,7 +156,8 @@ def test_scrapes_evaluates_rules_and_keeps_exemplars(server, two_ranks):
         for title, query, _ in dashboard_queries(path, job="fixture", rank=["0", "1"], rate_interval="1m"):
             answered[title] = answered.get(title, False) or bool(server.query(query))
     for title in ("Allreduce latency p99 by rank and hook", "Allreduce latency distribution of the picked ranks",
-                  "Straggler score by rank (5m)", "Straggler score: highest $topk ranks (5m)", "Ranks in no collective"):
+                  "Share of every step the job waits for, by rank (5m)",
+                  "Straggler share of every step: highest $topk ranks (5m)", "Ranks in no collective"):
         assert answered[title], title
 
 

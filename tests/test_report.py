@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import tensorplay.report
-from tensorplay.demo.cli import main
+from tensorplay.analysis.straggler import SHARE_THRESHOLD
+from tensorplay.cli import main
 from tensorplay.report import build_report
 from tensorplay.report.cli import demo_report_line
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
@@ -72,8 +73,9 @@ def test_straggler_line_is_highest_and_verdict_is_the_demos(two_ranks_straggler:
     means = _compute_means(report.figures["compute"], [0, 1])
     assert means[1] == max(means.values()) and means[1] > 1.5 * means[0], means
     assert _artist(report.figures["compute"], "compute-rank1").get_label() == "rank 1 (straggler)"
-    # The same rule as the demo's text report, on compute derived from the spans.
-    assert report.verdict.rank == 1 and demo.verdict().startswith("straggler: rank 1 ")
+    # The same rule as the demo's text report, on the same end-of-step waits: the same words.
+    assert report.verdict.rank == 1 and demo.verdict() == f"straggler: {report.verdict.evidence}"
+    assert report.verdict.share >= SHARE_THRESHOLD
     assert f"<strong>straggler:</strong> {html.escape(report.verdict.evidence)}" in page
     # The metric the demo reads and the span-derived compute agree.
     for result, timing in zip(_results(demo), report.run.compute_ms_mean()):
@@ -101,7 +103,7 @@ def test_uneven_straggler_shadowed_steps_are_marked(three_ranks_uneven_straggler
         assert np.isnan(drawn[trained:]).all()  # shadowed: no compute drawn
     means = _compute_means(figure, [0, 1, 2])
     assert means[2] == max(means.values()), means
-    assert report.verdict.rank == 2 and demo.verdict().startswith("straggler: rank 2 ")
+    assert report.verdict.rank == 2 and demo.verdict() == f"straggler: {report.verdict.evidence}"
     shadow_bars = [bar.get_width() for bar in _artists(report.figures["join"], "shadow-iterations")]
     assert shadow_bars == [float(row["shadowed"]) for row in demo.table()]
 
@@ -113,7 +115,8 @@ def test_uneven_inputs_marked_and_no_straggler(three_ranks_uneven: Demo) -> None
     batches = [result["batches"] for result in _results(demo)]
     for rank, trained in enumerate(batches):
         assert _shadowed_steps(report.figures["compute"], rank) == list(range(trained, max(batches)))
-    assert report.verdict.rank is None and demo.verdict().startswith("straggler: none")
+    assert report.verdict.rank is None and demo.verdict() == f"straggler: {report.verdict.evidence}"
+    assert demo.verdict().startswith("straggler: none")
     assert 'class="verdict none"' in page and "(straggler)" not in page
     for rank in range(3):  # each rank's time line ends when all had joined
         training = _artist(report.figures["join"], f"training-rank{rank}")

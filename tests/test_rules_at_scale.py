@@ -1,6 +1,6 @@
 """tensorplay's alerts on a 64-rank job, the small version of bench/rules_at_scale.py.
 
-Seven synthetic jobs (tests/synthetic_job.py, shaped from the real exposition) of 64 ranks and
+Eight synthetic jobs (tests/synthetic_job.py, shaped from the real exposition) of 64 ranks and
 16 minutes -- enough for the 5m windows and the straggler's `for: 10m` -- are backfilled, with the
 recording rules, into one Debian Prometheus; each alert expression is evaluated at the end and
 must have held for its `for:`. The expected ranks come from the generator (which ranks it made
@@ -73,7 +73,11 @@ def test_the_straggler_alert_names_exactly_the_slow_ranks(fired) -> None:
         scenario: Scenario = job.scenario
         named = _ranks(by_job[scenario.job], "TensorplayStragglerRank")
         expected = set(scenario.slow_ranks) if scenario.slow_factor >= 1.5 else set()
+        expected |= set(scenario.backward_ranks) if scenario.backward_factor >= 2 else set()
         assert named == expected, (scenario, sorted(named))
+        for alert in by_job[scenario.job]:
+            if alert.labels["alertname"] == "TensorplayStragglerRank":  # its value is its share of the step
+                assert 0.2 <= alert.value < 1, alert
     node = _scenario(jobs, slow_factor=1.6, slow_ranks=tuple(range(RANKS_PER_NODE, 2 * RANKS_PER_NODE)))
     assert notifications(a for a in by_job[node.scenario.job] if a.labels["alertname"] == "TensorplayStragglerRank") == 1
 
@@ -129,5 +133,5 @@ def test_the_dashboards_default_view_draws_a_bounded_number_of_ranks(backfilled)
             assert len(ranks) <= bound, (path.name, title, len(ranks))
             drawn_by_panel.setdefault(title, set()).update(ranks)
     (job,) = [j for j in jobs.values() if j.scenario.slow_factor >= 1.5 and len(j.scenario.slow_ranks) == 1]
-    top = [ranks for title, ranks in drawn_by_panel.items() if title.startswith("Straggler score: highest")]
+    top = [ranks for title, ranks in drawn_by_panel.items() if title.startswith("Straggler share of every step: highest")]
     assert top and (job.scenario.job, str(job.scenario.slow_ranks[0])) in top[0]

@@ -1,5 +1,7 @@
-"""The ``tensorplay`` command: ``tensorplay demo`` runs a local multi-rank DDP job and reports on it;
-``tensorplay report RUN_DIR`` draws a run's spans as an HTML page."""
+"""The ``tensorplay demo`` subcommand: its flags, and running a local multi-rank DDP job with a report.
+
+The ``tensorplay`` command itself (both subcommands) is :mod:`tensorplay.cli`.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import argparse
 import os
 import sys
 import tempfile
-
-from tensorplay.report.cli import add_report_command, demo_report_line, report_command
+from pathlib import Path
+from typing import Callable
 
 from .hang import EXIT_HUNG, HangWatch
 from .launch import Interrupted, RanksFailed, launch_ranks
@@ -16,17 +18,15 @@ from .options import add_job_arguments, job_argv, job_problem
 from .progress import ProgressDisplay
 from .rundir import RunDir
 
-__all__ = ["main", "build_parser"]
+__all__ = ["add_demo_command", "demo_command"]
 
 DEFAULT_WORLD_SIZE = 2
 DEMO_METRICS_ADDR = "127.0.0.1"
 EXIT_INTERRUPTED = 130
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``tensorplay`` argument parser with its ``demo`` and ``report`` subcommands."""
-    parser = argparse.ArgumentParser(prog="tensorplay", description="Observable DDP communication hooks and Join.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+def add_demo_command(commands: argparse._SubParsersAction) -> None:
+    """Add the ``demo`` subcommand to the ``tensorplay`` parser's subcommands."""
     demo = commands.add_parser(
         "demo",
         help="run a local multi-rank DDP job with traced hooks and report on it",
@@ -37,24 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"ranks to start on this machine (default {DEFAULT_WORLD_SIZE})")
     add_job_arguments(demo)
     demo.set_defaults(metrics_addr=DEMO_METRICS_ADDR, usage_error=demo.error)
-    add_report_command(commands)
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the ``tensorplay`` command line; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "report":
-        return report_command(args)
-    if args.command != "demo":
-        parser.print_help(sys.stderr)
-        return 2
-    return _demo(args)
+def demo_command(args: argparse.Namespace, html_report: Callable[[Path], str]) -> int:
+    """Check the flags, run the ranks with a progress line, print the report; return the exit status.
 
-
-def _demo(args: argparse.Namespace) -> int:
-    """Check the flags, run the ranks with a progress line, print the report."""
+    ``html_report(run_dir)`` writes the run's HTML page and returns the line that says where it is.
+    """
     if args.world_size < 1:
         args.usage_error(f"--world-size must be at least 1, got {args.world_size}")
     problem = job_problem(args, args.world_size, args.world_size)
@@ -91,5 +80,5 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"rank logs: {run_dir.logs}")
     if args.otlp_endpoint:
         print(f"spans were also exported over OTLP to {args.otlp_endpoint}")
-    print(demo_report_line(run_dir.path))
+    print(html_report(run_dir.path))
     return 0

@@ -51,10 +51,15 @@ class RankStateWriter:
         self._steps_done = steps
 
     def finished(self) -> None:
-        """Training is over on this rank: it waits for no one any more."""
+        """Training is over on this rank: it waits for no one any more.
+
+        The writer thread is stopped first: two writers of one state file would race on its
+        temporary file, and the loser's rename fails.
+        """
+        self._stop.set()
+        self._thread.join()
         self._finished = True
         self._write()
-        self._stop.set()
 
     def _run(self) -> None:
         while not self._stop.wait(_WRITE_EVERY_S):

@@ -16,13 +16,19 @@ __all__ = [
     "job_argv",
     "extra_batches",
     "DEFAULT_STEPS",
+    "DEFAULT_BATCH",
     "DEFAULT_STRAGGLER_DELAY_MS",
+    "DEFAULT_STRAGGLER_BATCH_FACTOR",
+    "STRAGGLER_KINDS",
     "DEFAULT_STALL_TIMEOUT_S",
     "hang_step",
 ]
 
 DEFAULT_STEPS = 40
+DEFAULT_BATCH = 32
 DEFAULT_STRAGGLER_DELAY_MS = 40.0
+DEFAULT_STRAGGLER_BATCH_FACTOR = 16
+STRAGGLER_KINDS = ("sleep", "batch")
 DEFAULT_STALL_TIMEOUT_S = 60.0
 _HOOKS_ON_A_PROCESS_GROUP = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
                              "fp16_compress_wrapper(allreduce_hook)", "bf16_compress_wrapper(allreduce_hook)")
@@ -42,6 +48,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of the training job itself (everything but how many ranks to start)."""
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="S",
                         help=f"batches per rank (with --uneven, rank 0's count; default {DEFAULT_STEPS})")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, metavar="B",
+                        help=f"extra flag: samples per batch on every rank (default {DEFAULT_BATCH}); a bigger "
+                             "batch everywhere makes a uniformly slow job")
     parser.add_argument("--hook", default=DEFAULT_HOOK, choices=HOOK_NAMES, metavar="NAME",
                         help=f"communication hook, registered as traced(NAME): {', '.join(HOOK_NAMES)} "
                              f"(default {DEFAULT_HOOK})")
@@ -49,6 +58,13 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make rank R a straggler: it sleeps in its compute every step")
     parser.add_argument("--straggler-delay-ms", type=float, default=DEFAULT_STRAGGLER_DELAY_MS, metavar="D",
                         help=f"how long the straggler sleeps per step (default {DEFAULT_STRAGGLER_DELAY_MS:g})")
+    parser.add_argument("--straggler-kind", choices=STRAGGLER_KINDS, default="sleep",
+                        help="extra flag: how the straggler is slow: 'sleep' sleeps --straggler-delay-ms between "
+                             "forward and backward; 'batch' trains a batch --straggler-batch-factor times its "
+                             "peers' (more forward and backward work between the buckets; default sleep)")
+    parser.add_argument("--straggler-batch-factor", type=int, default=DEFAULT_STRAGGLER_BATCH_FACTOR, metavar="F",
+                        help="extra flag: with --straggler-kind batch, the straggler's batch is F times its peers' "
+                             f"(default {DEFAULT_STRAGGLER_BATCH_FACTOR})")
     parser.add_argument("--uneven", action="store_true",
                         help="uneven inputs: rank r trains S + r*max(1, S//4) batches, inside Join([ddp_model])")
     parser.add_argument("--hang-rank", type=int, default=None, metavar="R",
@@ -84,6 +100,8 @@ def job_problem(args: argparse.Namespace, world_size: int, local_world_size: int
     """
     if args.steps < 1:
         return f"--steps must be at least 1, got {args.steps}"
+    if args.batch_size < 1:
+        return f"--batch-size must be at least 1, got {args.batch_size}"
     if args.straggler_rank is not None:
         if world_size < 2:
             return "--straggler-rank needs peers to straggle behind: use --world-size 2 or more"
@@ -92,6 +110,8 @@ def job_problem(args: argparse.Namespace, world_size: int, local_world_size: int
                     f"(--world-size {world_size} has ranks 0..{world_size - 1})")
     if args.straggler_delay_ms < 0:
         return f"--straggler-delay-ms must be >= 0, got {args.straggler_delay_ms:g}"
+    if args.straggler_batch_factor < 1:
+        return f"--straggler-batch-factor must be at least 1, got {args.straggler_batch_factor}"
     if args.metrics_port is not None and not 0 < args.metrics_port <= 65536 - local_world_size:
         return (f"--metrics-port {args.metrics_port}: the ranks serve on ports {args.metrics_port}.."
                 f"{args.metrics_port + local_world_size - 1}, which must lie within 1..65535")
@@ -121,8 +141,9 @@ def _hang_problem(args: argparse.Namespace, world_size: int) -> str | None:
 
 def job_argv(args: argparse.Namespace) -> list[str]:
     """Turn parsed job flags back into the command line every rank gets."""
-    argv = ["--steps", str(args.steps), "--hook", args.hook,
-            "--straggler-delay-ms", repr(args.straggler_delay_ms), "--linger-s", repr(args.linger_s)]
+    argv = ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--hook", args.hook,
+            "--straggler-delay-ms", repr(args.straggler_delay_ms), "--straggler-kind", args.straggler_kind,
+            "--straggler-batch-factor", str(args.straggler_batch_factor), "--linger-s", repr(args.linger_s)]
     optional = {
         "--straggler-rank": args.straggler_rank,
         "--hang-rank": args.hang_rank,

@@ -1,16 +1,14 @@
 """The end-of-run report: one row per rank from its result file and exported spans, and a verdict.
 
 Figures come from what tensorplay exported, not from the demo's own clocks: allreduce latency,
-bytes, compression error and non-finite counts from the ``tensorplay.comm_hook`` spans, join
-timing from the ``tensorplay.join`` span, compute time from the rank's
-``tensorplay_step_compute_seconds`` metric.
+bytes, compression error, non-finite counts and the end-of-step waits from the
+``tensorplay.comm_hook`` spans, join timing from the ``tensorplay.join`` span, compute time from
+the rank's ``tensorplay_step_compute_seconds`` metric.
 
-The straggler verdict follows the contract's ``TensorplayStragglerRank`` reasoning: a straggler's
-own work per iteration is well above its peers' (mean compute at least ``STRAGGLER_RATIO`` times
-the median of the other ranks' and ``STRAGGLER_MIN_EXCESS_MS`` more), and because everyone else
-waits for it inside the allreduce, its own allreduce latency is the lowest. Latency is compared
-over the steps every rank trained, so a rank's extra batches under uneven inputs (when the
-others only shadow) do not blur it; iterations a rank shadows inside ``Join`` are not compute.
+The straggler verdict is :func:`tensorplay.analysis.straggler.straggler_verdict`, the rule of
+the ``TensorplayStragglerRank`` alert: how much of every step the job waits for each rank at the
+step's last collective. It is weighed over the steps every rank trained (after the first), so a
+rank's extra batches under uneven inputs (when the others only shadow) do not blur it.
 
 Each rank summarizes its own files (:func:`summarize_rank`) and rank 0 gathers the rows over the
 process group, so the report needs no filesystem shared between nodes.
@@ -21,19 +19,17 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any
 
+from tensorplay.analysis.straggler import RankWait, Verdict, lateness
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr
 
 from .rundir import RunDir
 
-__all__ = ["RankSummary", "RankTiming", "Verdict", "summarize_rank", "straggler_verdict", "render",
-           "STRAGGLER_RATIO", "STRAGGLER_MIN_EXCESS_MS"]
-
-STRAGGLER_RATIO = 1.5
-STRAGGLER_MIN_EXCESS_MS = 10.0
+__all__ = ["RankSummary", "summarize_rank", "render"]
 
 
 @dataclass
@@ -53,24 +49,11 @@ class RankSummary:
     shadowed: int | None
     join_wait_ms: float | None
     last_joiner: bool | None
-    injected_delay_ms: float
+    end_wait: RankWait
+    """Its end-of-step waits over the steps every rank trained, after the first."""
+    injected: str | None
+    """The straggler the demo made of it, in words (None: none)."""
     metrics_url: str | None
-
-
-class RankTiming(Protocol):
-    """What the straggler verdict weighs of a rank (a :class:`RankSummary`, or the HTML report's)."""
-
-    rank: int
-    compute_ms_mean: float | None
-    latency_ms_p50: float | None
-
-
-@dataclass
-class Verdict:
-    """Which rank (if any) straggles, and the evidence in words."""
-
-    rank: int | None
-    evidence: str
 
 
 def _spans(path: Path) -> list[dict[str, Any]]:
@@ -92,6 +75,8 @@ def summarize_rank(result: dict[str, Any], spans_path: Path, common_steps: int) 
     errors = [a[Attr.COMPRESSION_RELATIVE_ERROR] for a in hooks if Attr.COMPRESSION_RELATIVE_ERROR in a]
     count = result["compute_seconds_count"]
     join = joins[-1] if joins else None
+    compared = [span for span in spans if span["name"] == HOOK_SPAN_NAME
+                and 0 <= span["attributes"][Attr.STEP] < common_steps]
     return RankSummary(
         rank=result["rank"],
         batches=result["batches"],
@@ -104,32 +89,30 @@ def summarize_rank(result: dict[str, Any], spans_path: Path, common_steps: int) 
         shadowed=join[Attr.JOIN_SHADOW_ITERATIONS] if join else None,
         join_wait_ms=join[Attr.JOIN_WAIT_MS] if join else None,
         last_joiner=join[Attr.JOIN_LAST_JOINER] if join else None,
-        injected_delay_ms=result["straggler_delay_ms"],
+        end_wait=_end_wait(result["rank"], compared),
+        injected=result["straggler"],
         metrics_url=result["metrics_url"],
     )
 
 
-def straggler_verdict(ranks: Sequence[RankTiming]) -> Verdict:
-    """Name the rank whose compute is well above its peers' while its allreduce latency is lowest."""
-    measured = [r for r in ranks if r.compute_ms_mean is not None and r.latency_ms_p50 is not None]
-    if len(measured) < 2:
-        return Verdict(None, "n/a (needs two or more ranks with compute time and allreduce latency measured)")
-    slowest = max(measured, key=lambda r: r.compute_ms_mean)
-    peers = [r for r in measured if r is not slowest]
-    peer_compute = statistics.median(r.compute_ms_mean for r in peers)
-    peer_latency = statistics.median(r.latency_ms_p50 for r in peers)
-    ratio = slowest.compute_ms_mean / peer_compute if peer_compute > 0 else float("inf")
-    compute = (f"mean compute {slowest.compute_ms_mean:.1f} ms is {ratio:.1f}x its peers' median "
-               f"of {peer_compute:.1f} ms")
-    if ratio < STRAGGLER_RATIO or slowest.compute_ms_mean - peer_compute < STRAGGLER_MIN_EXCESS_MS:
-        return Verdict(None, f"none (highest: rank {slowest.rank}, whose {compute}; a straggler's is at least "
-                             f"{STRAGGLER_RATIO:g}x and {STRAGGLER_MIN_EXCESS_MS:g} ms above)")
-    if slowest.latency_ms_p50 > min(r.latency_ms_p50 for r in peers):
-        return Verdict(None, f"none (rank {slowest.rank}'s {compute}, but its allreduce p50 of "
-                             f"{slowest.latency_ms_p50:.1f} ms is not the lowest: the others do not wait for it)")
-    return Verdict(slowest.rank, f"rank {slowest.rank} (its {compute}, and its allreduce p50 is the lowest: "
-                                 f"{slowest.latency_ms_p50:.1f} ms vs the peers' {peer_latency:.1f} ms, "
-                                 "as the others wait for it in every allreduce)")
+def _end_wait(rank: int, spans: list[dict[str, Any]]) -> RankWait:
+    """Sum of each step's last-bucket wait (step 0 excepted: DDP rebuilds its buckets there), and the
+    time from step 0's end to the last step's end on this rank's clock."""
+    last: dict[int, dict[str, Any]] = {}
+    for span in spans:
+        step = span["attributes"][Attr.STEP]
+        if step not in last or span["attributes"][Attr.BUCKET_INDEX] > last[step]["attributes"][Attr.BUCKET_INDEX]:
+            last[step] = span
+    if 0 not in last or len(last) < 2:
+        return RankWait(rank, 0.0, 0, 0.0)
+    ends = {step: datetime.fromisoformat(span["end_time"]).timestamp() for step, span in last.items()}
+    counted = [step for step in last if step > 0]
+    return RankWait(
+        rank=rank,
+        wait_s=sum(last[step]["attributes"][Attr.ALLREDUCE_LATENCY_MS] for step in counted) / 1e3,
+        steps=len(counted),
+        seconds=ends[max(counted)] - ends[0],
+    )
 
 
 def _size(n: int) -> str:
@@ -144,10 +127,11 @@ def _or_dash(value: Any, form: str) -> str:
 
 
 _COLUMNS = ("rank", "steps", "shadowed", "allreduce p50", "wire sent", "handed over", "rel. error",
-            "non-finite", "compute mean", "join wait", "last joiner")
+            "non-finite", "compute mean", "end wait", "costs the job", "join wait", "last joiner")
 
 
-def _row(r: RankSummary) -> tuple[str, ...]:
+def _row(r: RankSummary, share: float | None) -> tuple[str, ...]:
+    wait = r.end_wait
     return (
         str(r.rank),
         str(r.batches),
@@ -158,6 +142,8 @@ def _row(r: RankSummary) -> tuple[str, ...]:
         _or_dash(r.relative_error, ".2e"),
         str(r.nonfinite),
         _or_dash(r.compute_ms_mean, ".1f") + " ms",
+        "-" if not wait.steps else f"{1e3 * wait.wait_s / wait.steps:.1f} ms",
+        "-" if share is None else f"{100 * max(share, 0.0):.0f} %",
         "-" if r.join_wait_ms is None else f"{r.join_wait_ms:.0f} ms",
         "-" if r.last_joiner is None else ("yes" if r.last_joiner else "no"),
     )
@@ -168,16 +154,17 @@ def render(ranks: list[RankSummary], verdict: Verdict, hook: str, run_dir: RunDi
 
     ``run_dir`` is rank 0's; on several ``nodes`` each node's run dir holds its own ranks' files.
     """
-    rows = [_COLUMNS, *(_row(r) for r in ranks)]
+    shares = {f.rank: f.share for f in lateness([r.end_wait for r in ranks])}
+    rows = [_COLUMNS, *(_row(r, shares.get(r.rank)) for r in ranks)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     table = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     on_nodes = f" on {nodes} nodes" if nodes > 1 else ""
     lines = [f"tensorplay demo: {len(ranks)} ranks{on_nodes}, hook traced({hook})", "", *table, "",
              f"straggler: {verdict.evidence}"]
     for r in ranks:
-        if r.injected_delay_ms:
-            found = "found" if verdict.rank == r.rank else "NOT found"
-            lines.append(f"injected: rank {r.rank} sleeps {r.injected_delay_ms:g} ms per step ({found})")
+        if r.injected:
+            found = "found" if r.rank in verdict.ranks else "NOT found"
+            lines.append(f"injected: rank {r.rank} {r.injected} ({found})")
     shadowing = [r for r in ranks if r.shadowed]
     if shadowing:
         lines.append("uneven inputs: " + ", ".join(f"rank {r.rank} shadowed {r.shadowed}" for r in shadowing)
@@ -189,6 +176,9 @@ def render(ranks: list[RankSummary], verdict: Verdict, hook: str, run_dir: RunDi
               "wire sent / handed over: every hook call, shadowed iterations included",
               f"rel. error: mean ||x - x^|| / ||x|| of the sampled buckets (every {DEFAULT_ERROR_EVERY}th step by default);  "
               "compute mean: tensorplay_step_compute_seconds, this rank's own work per iteration",
+              "end wait: mean wait in each step's last collective (tensorplay_step_wait_seconds_total);  "
+              "costs the job: the share of every step its peers wait for it there (what the straggler verdict "
+              "and TensorplayStragglerRank weigh)",
               f"spans: {run_dir.path}/spans-rank*.jsonl"
               + (" on each node, its own ranks' (copy them into one directory for tensorplay report)" if nodes > 1 else ""),
               "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")

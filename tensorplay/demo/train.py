@@ -31,6 +31,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tensorplay.analysis.straggler import straggler_verdict
 from tensorplay.distributed.algorithms.join import Join
 from tensorplay.telemetry import (
     TensorplayMetrics,
@@ -46,7 +47,7 @@ from .hang import RankStateWriter
 from .hooks import traced_hook
 from .options import add_job_arguments, extra_batches, hang_step, job_problem
 from .progress import ProgressWriter
-from .report import render, straggler_verdict, summarize_rank
+from .report import render, summarize_rank
 from .rundir import RunDir, write_json
 
 __all__ = ["main", "make_model", "batch_count"]
@@ -55,7 +56,6 @@ IN_FEATURES = 128
 WIDTH = 384
 DEPTH = 6
 OUT_FEATURES = 16
-BATCH = 32
 BUCKET_CAP_MB = 1.0  # about 0.6 MB per hidden layer: DDP makes four or more buckets
 
 
@@ -82,8 +82,8 @@ class _SyntheticData:
         self._teacher = torch.randn(IN_FEATURES, OUT_FEATURES, generator=teacher) / IN_FEATURES**0.5
         self._inputs = torch.Generator().manual_seed(rank)
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = torch.randn(BATCH, IN_FEATURES, generator=self._inputs)
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = torch.randn(size, IN_FEATURES, generator=self._inputs)
         return inputs, torch.tanh(inputs @ self._teacher)
 
 
@@ -102,6 +102,15 @@ def _metrics_figures(metrics: TensorplayMetrics, rank: int) -> dict[str, float |
         "compute_seconds_sum": sample(f"{Metric.STEP_COMPUTE}_sum", labels),
         "compute_seconds_count": sample(f"{Metric.STEP_COMPUTE}_count", labels),
     }
+
+
+def _injected(delay_s: float, factor: int, batch_size: int) -> str | None:
+    """The straggler the demo made of this rank, in words (None: none)."""
+    if delay_s:
+        return f"sleeps {delay_s * 1e3:g} ms per step"
+    if factor != 1:
+        return f"trains a {factor}x batch ({factor * batch_size} samples against its peers' {batch_size})"
+    return None
 
 
 def _configure_tracing(args: argparse.Namespace, run_dir: RunDir | None, rank: int) -> TracerProvider | None:
@@ -123,7 +132,7 @@ def _report_on_rank0(args: argparse.Namespace, run_dir: RunDir, result: dict[str
     dist.gather_object(row, rows, dst=0)
     if rows is not None:
         nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-        text = render(rows, straggler_verdict(rows), args.hook, run_dir, nodes)
+        text = render(rows, straggler_verdict([row.end_wait for row in rows]), args.hook, run_dir, nodes)
         run_dir.report.write_text(text + "\n", encoding="utf-8")
         print(text, flush=True)
 
@@ -158,7 +167,10 @@ def train(args: argparse.Namespace) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     data = _SyntheticData(rank)
     batches = batch_count(rank, args.steps, args.uneven)
-    delay_s = args.straggler_delay_ms / 1e3 if args.straggler_rank == rank else 0.0
+    straggler = args.straggler_rank == rank
+    delay_s = args.straggler_delay_ms / 1e3 if straggler and args.straggler_kind == "sleep" else 0.0
+    factor = args.straggler_batch_factor if straggler and args.straggler_kind == "batch" else 1
+    batch_size = args.batch_size * factor
     progress = ProgressWriter(run_dir, rank, batches, metrics_url) if run_dir is not None else None
     live_state = RankStateWriter(run_dir, rank, metrics) if run_dir is not None else None
     stuck_at = hang_step(args) if args.hang_rank == rank and not args.hang_inside_collective else None
@@ -167,7 +179,7 @@ def train(args: argparse.Namespace) -> None:
 
     with Join([model], enable=args.uneven):
         for step in range(batches):
-            inputs, targets = data.batch()
+            inputs, targets = data.batch(batch_size)
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(inputs), targets)
             if delay_s:
@@ -199,7 +211,7 @@ def train(args: argparse.Namespace) -> None:
             "hook": args.hook,
             "batches": batches,
             "uneven": args.uneven,
-            "straggler_delay_ms": delay_s * 1e3,
+            "straggler": _injected(delay_s, factor, args.batch_size),
             "first_loss": losses[0],
             "last_loss": losses[-1],
             "wall_seconds": wall_s,

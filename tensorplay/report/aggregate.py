@@ -10,6 +10,10 @@ whose first hook call falls inside one of its ``tensorplay.join`` spans: it had 
 inputs and only shadowed its peers' collectives, so they are not its compute. The steps every
 rank trained are those no rank shadowed (shadowed iterations call the hooks too, so the step
 counters of all ranks stay aligned).
+
+A rank's end-of-step waits (what the straggler verdict weighs) are the latencies of each step's
+last bucket, over the steps every rank trained after the first, and the time those steps took on
+its own clock: from the end of the step before the first of them to the end of the last.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+
+from tensorplay.analysis.straggler import RankWait
 
 from .spans import HookSpans, JoinSpan, Spans
 
@@ -57,6 +63,8 @@ class Run:
     """[rank, step] whether the rank shadowed that step inside Join."""
     present: np.ndarray
     """[rank, step] whether the rank has a span of that step."""
+    step_end_s: np.ndarray
+    """[rank, step] unix time the step's last span ended; -inf where no span."""
     hook_bytes: list[HookBytes]
     errors: SampledErrors
     """Of the steps' own work: spans of shadowed iterations are left out."""
@@ -82,6 +90,24 @@ class Run:
     def row(self, rank: int) -> int:
         """Index of ``rank`` in the arrays."""
         return int(np.searchsorted(self.ranks, rank))
+
+    def end_waits(self) -> list[RankWait]:
+        """Each rank's end-of-step waits over the steps every rank trained after the first, in rank order.
+
+        Steps are compared from the first such step whose predecessor every rank also trained,
+        so that each rank's time is that of the same steps.
+        """
+        counted = self.trained_by_all.copy()
+        counted[0] = False
+        counted[1:] &= self.trained_by_all[:-1]
+        steps = np.flatnonzero(counted)
+        if not len(steps) or not self.latency_ms.shape[2]:
+            return [RankWait(int(rank), 0.0, 0, 0.0) for rank in self.ranks]
+        last_bucket = np.where(np.isnan(self.latency_ms), -1, np.arange(self.latency_ms.shape[2])).max(axis=2)
+        waits = np.take_along_axis(self.latency_ms, np.maximum(last_bucket, 0)[:, :, None], axis=2)[:, :, 0]
+        seconds = self.step_end_s[:, steps[-1]] - self.step_end_s[:, steps[0] - 1]
+        return [RankWait(int(rank), float(np.nansum(waits[row, steps])) / 1e3, len(steps), float(seconds[row]))
+                for row, rank in enumerate(self.ranks)]
 
     def compute_ms_mean(self) -> np.ndarray:
         """[rank] mean compute per observed step (NaN if none was observed)."""
@@ -178,6 +204,7 @@ def aggregate(spans: Spans) -> Run:
         compute_ms=compute,
         shadowed=shadowed,
         present=present,
+        step_end_s=last_end,
         hook_bytes=_hook_bytes(hooks),
         errors=_sampled_errors(hooks, shadowed[row, hooks.step]),
         nonfinite=np.bincount(hooks.step, weights=hooks.nonfinite, minlength=steps).astype(np.int64),

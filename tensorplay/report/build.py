@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tensorplay.demo.report import Verdict
+from tensorplay.analysis.straggler import Verdict
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 
 from .aggregate import Run, aggregate
@@ -99,7 +99,9 @@ def _captions(report: Report, plots) -> list[tuple[str, str, str, str]]:
     return [
         ("compute", "Compute time per step, per rank",
          "Each line is a rank's own work before a step (end of its previous step's last collective to its next "
-         "hook call, as tensorplay_step_compute_seconds): the straggler's line runs above the others"
+         "hook call, as tensorplay_step_compute_seconds): a rank slow before its first bucket (data, forward) runs "
+         "above the others; one slow between its buckets (backward) need not -- the verdict weighs who the job "
+         "waits for at each step's end"
          + (f"; the {plots.TOP_K} ranks with the highest mean are drawn over all ranks' median and 10-90% band, "
             f"and the strip shows the {plots.TOP_K} that shadowed most" if ranks > plots.TOP_K else "")
          + ". Squares below mark steps a rank shadowed inside Join, which are not its compute.",

@@ -19,7 +19,7 @@ from matplotlib.colors import Normalize
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 from matplotlib.figure import Figure
 
-from tensorplay.demo.report import Verdict
+from tensorplay.analysis.straggler import Verdict
 
 from .aggregate import Run
 

@@ -100,6 +100,19 @@ class TensorplayMetrics:
             "This rank's own work per iteration: previous iteration's last collective done to first hook call.",
             rank_label, buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.step_wait = Counter(
+            Metric.STEP_WAIT,
+            "Seconds this rank waited at the end of its steps: launch to completion of each step's last bucket.",
+            hook_labels, registry=r,
+        )
+        self.step_seconds = Counter(
+            Metric.STEP_SECONDS,
+            "Seconds those steps took: end of the previous step's last collective to end of the step's last.",
+            hook_labels, registry=r,
+        )
+        self.steps = Counter(
+            Metric.STEPS, "Steps whose end wait tensorplay_step_wait_seconds_total counts.", hook_labels, registry=r
+        )
         self.last_step_timestamp = Gauge(
             Metric.LAST_STEP_TIMESTAMP, "Unix time of this rank's latest hook call.", rank_label, registry=r
         )

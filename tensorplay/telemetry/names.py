@@ -56,3 +56,6 @@ class Metric:
     JOINS = "tensorplay_joins"
     TELEMETRY_ERRORS = "tensorplay_telemetry_errors"
     BUCKET_NONFINITE = "tensorplay_bucket_nonfinite_elements"
+    STEP_WAIT = "tensorplay_step_wait_seconds"
+    STEP_SECONDS = "tensorplay_step_seconds"
+    STEPS = "tensorplay_steps"

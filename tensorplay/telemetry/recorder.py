@@ -77,6 +77,7 @@ class BucketRecord:
         span: OwnedSpan,
         metrics: TensorplayMetrics | None,
         previous_step_end: CollectiveEnds | None,
+        step_start: CollectiveEnds | None,
         on_collective_end: Callable[[Stamp, Callable[[], None]], None],
         model: int = 0,
     ) -> None:
@@ -99,6 +100,9 @@ class BucketRecord:
         self.span = span
         self.metrics = metrics
         self.previous_step_end = previous_step_end
+        self.step_start = step_start
+        """For the last bucket of a step counted in the end-of-step wait: when the previous step
+        ended. None otherwise: other buckets, the first step (no previous one), shadowed steps."""
         self._on_collective_end = on_collective_end
         self.called = stamp(self.device)
         self.launches: list[Stamp] = []

@@ -39,6 +39,8 @@ class Outcome:
 
     latency_s: float
     compute_s: float | None
+    step_s: float | None
+    """For a counted step's last bucket: the end of the previous step to the end of this one."""
     wire_bytes: int
     collectives: int
     nonfinite: int
@@ -144,8 +146,9 @@ def _events_happened(record: BucketRecord) -> bool:
     """Whether every CUDA event the record's numbers are read from has completed."""
     points = [record.called, record.ends.completed, *record.launches, *record.ends.stamps]
     points += [stage.ready for stage in record.stages if stage.ready is not None]
-    if record.previous_step_end is not None and record.previous_step_end.last() is not None:
-        points.append(record.previous_step_end.last())
+    for previous in (record.previous_step_end, record.step_start):
+        if previous is not None and previous.last() is not None:
+            points.append(previous.last())
     return all(happened(point) for point in points if point is not None)
 
 
@@ -166,6 +169,7 @@ def resolve(record: BucketRecord) -> Outcome:
     return Outcome(
         latency_s=latency_seconds(record),
         compute_s=_compute_seconds(record),
+        step_s=_step_seconds(record),
         wire_bytes=wire_bytes(record),
         collectives=collective_count(record),
         nonfinite=sum(int(to_number(stage.nonfinite)) for stage in stages),
@@ -248,6 +252,12 @@ def observe(record: BucketRecord, outcome: Outcome) -> None:
         metrics.compression_error.labels(rank=rank, hook=hook).observe(outcome.relative_error)
     if outcome.compute_s is not None:
         metrics.step_compute.labels(rank=rank).observe(outcome.compute_s)
+    if outcome.step_s is not None:
+        # The last bucket's wait is how long this rank stood at the step's end for the last of its
+        # peers to arrive: what the peers did not wait for it (docs/telemetry.md, "Lateness").
+        metrics.step_wait.labels(rank=rank, hook=hook).inc(outcome.latency_s)
+        metrics.step_seconds.labels(rank=rank, hook=hook).inc(outcome.step_s)
+        metrics.steps.labels(rank=rank, hook=hook).inc()
 
 
 def _compute_seconds(record: BucketRecord) -> float | None:
@@ -256,6 +266,12 @@ def _compute_seconds(record: BucketRecord) -> float | None:
         return None
     end = previous.last()
     return seconds_between(end, record.called) if end is not None else None
+
+
+def _step_seconds(record: BucketRecord) -> float | None:
+    start = record.step_start.last() if record.step_start is not None else None
+    end = record.ends.last()
+    return seconds_between(start, end) if start is not None and end is not None else None
 
 
 def _exemplar(span: OwnedSpan) -> dict[str, str] | None:

@@ -203,6 +203,9 @@ class _TracedHook:
                 return None
             span = OwnedSpan(started)
             finisher = resolver()
+            # A shadowing rank's calls are not its own steps: it arrives first and waits for the
+            # trainers, which would make them look late (and its wait is no compute either).
+            shadowing = probe.in_shadow_phase()
             record = BucketRecord(
                 hook=self._name,
                 reports_collectives=self._reports_collectives,
@@ -216,9 +219,10 @@ class _TracedHook:
                 metrics=metrics,
                 previous_step_end=(
                     model.previous_step_end
-                    if first_of_step and model.index == 0 and not probe.in_shadow_phase()
+                    if first_of_step and model.index == 0 and not shadowing
                     else None
                 ),
+                step_start=model.previous_step_end if bucket.is_last() and not shadowing else None,
                 model=model.index,
                 on_collective_end=finisher.after_collective,
             )
