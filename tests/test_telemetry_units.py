@@ -197,6 +197,31 @@ def test_an_overflowed_cuda_figure_is_left_out_as_on_cpu() -> None:
     assert metrics.registry.get_sample_value("tensorplay_nonfinite_elements_total", labels) == 16
 
 
+def test_figures_recomputed_from_the_input_equal_those_of_the_compressed_tensor() -> None:
+    """What the recorder takes after the collective equals what it took before, bit for bit.
+
+    Cases: a healthy bucket, one whose float16 sum overflows although every element is finite
+    (a non-finite sum is no proof of a non-finite element), and one holding NaN, inf and values
+    that overflow when cast.
+    """
+    generator = torch.Generator().manual_seed(0)
+    healthy = torch.randn(270_000, generator=generator)  # more than one slice of the error pass
+    large = torch.full((20_000,), 60_000.0)
+    poisoned = healthy[:20_000].clone()
+    poisoned[:3], poisoned[3:5], poisoned[5:12] = float("nan"), float("inf"), -1e6
+    for dtype in (torch.float16, torch.bfloat16):
+        for original, scale in ((healthy, 2), (large, 1), (poisoned, 3), (poisoned * 1e33, 1)):
+            approximation = original.to(dtype).div_(scale) if scale != 1 else original.to(dtype)
+            expected = figures.compression_figures(original, approximation, scale)
+            assert figures.cast_figures(original, dtype, scale, True, proven_finite=False) == expected
+            finite = figures.all_finite(approximation)
+            assert finite == bool(torch.isfinite(approximation).all())
+            if finite:
+                assert figures.cast_figures(original, dtype, scale, True, proven_finite=True) == expected
+                assert figures.cast_figures(original, dtype, scale, False, proven_finite=True) == (None, 0, 0)
+    assert not figures.all_finite(torch.tensor([1.0, float("nan")])) and figures.all_finite(large.half())
+
+
 def test_the_event_watcher_acts_once_events_complete() -> None:
     watcher = EventWatcher()
     event = FakeEvent(0.0)

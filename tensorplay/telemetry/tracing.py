@@ -31,9 +31,20 @@ _logger = logging.getLogger(__name__)
 def tracer() -> trace.Tracer:
     """Return tensorplay's tracer from the current global provider (a no-op without an SDK).
 
-    Looked up on every use, so a provider set or replaced later (tests do) is honoured.
+    The provider is looked up on every use, so one set or replaced later (tests do) is honoured;
+    the tracer is made once per provider (the SDK's ``get_tracer`` costs ~20 us per hook call).
     """
-    return trace.get_tracer(TRACER_NAME, __version__)
+    global _cached
+    provider = trace.get_tracer_provider()
+    cached = _cached
+    if cached is not None and cached[0] is provider:
+        return cached[1]
+    made = provider.get_tracer(TRACER_NAME, __version__)
+    _cached = (provider, made)
+    return made
+
+
+_cached: tuple[trace.TracerProvider, trace.Tracer] | None = None
 
 
 class JsonLinesSpanExporter(SpanExporter):
