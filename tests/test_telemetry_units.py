@@ -222,6 +222,25 @@ def test_figures_recomputed_from_the_input_equal_those_of_the_compressed_tensor(
     assert not figures.all_finite(torch.tensor([1.0, float("nan")])) and figures.all_finite(large.half())
 
 
+def test_a_completed_collectives_continuation_runs_off_the_training_thread() -> None:
+    from tensorplay.telemetry.offthread import then_off_this_thread
+
+    def where(done: torch.futures.Future) -> tuple[str, int]:
+        return threading.current_thread().name, done.value() + 1
+
+    completed: torch.futures.Future = torch.futures.Future()
+    completed.set_result(1)
+    assert then_off_this_thread(completed, where).wait() == ("tensorplay-continuations", 2)
+    failed: torch.futures.Future = torch.futures.Future()
+    failed.set_exception(ValueError("collective failed"))
+    with pytest.raises(ValueError, match="collective failed"):
+        then_off_this_thread(failed, where).wait()
+    pending: torch.futures.Future = torch.futures.Future()
+    chained = then_off_this_thread(pending, where)
+    pending.set_result(5)  # a pending one continues where it completes, as then() does
+    assert chained.wait() == (threading.current_thread().name, 6)
+
+
 def test_the_event_watcher_acts_once_events_complete() -> None:
     watcher = EventWatcher()
     event = FakeEvent(0.0)

@@ -18,6 +18,7 @@ import torch
 
 from . import figures
 from .metrics import TensorplayMetrics
+from .offthread import then_off_this_thread
 from .spans import OwnedSpan
 from .timing import Stamp, stamp
 
@@ -156,8 +157,9 @@ class BucketRecord:
         if token not in self._proven_by:
             return future
         try:
-            # The hook chains its decompression on this future: the figures come strictly first.
-            return future.then(functools.partial(self._checked, token))
+            # The hook chains its decompression on this future: the figures come strictly first,
+            # and never on the training thread, even when the collective has already completed.
+            return then_off_this_thread(future, functools.partial(self._checked, token))
         except Exception:
             self.note_failure("collective_launched")
             self._resolve_cast(self._proven_by.pop(token), proof=None)  # the input is still unchanged
