@@ -208,22 +208,28 @@ class BucketRecord:
             buffer = bucket.buffer()
             self.returned_buffer_bytes = buffer.numel() * buffer.element_size()
 
+        # A future that already completed (a fast collective, one rank) is finished off this
+        # thread, a little later: it completed no later than now.
+        completed_by_now = stamp(self.device) if self.device.type != "cuda" and future.done() else None
+
         def completed(done: torch.futures.Future) -> Any:
             self._resolve_pending_casts()
             try:
                 value = done.value()
             except Exception as error:
                 self.error = self.error or error
-                self._complete(on_complete)
+                self._complete(on_complete, completed_by_now)
                 raise
-            self._complete(on_complete)
+            self._complete(on_complete, completed_by_now)
             return value
 
-        return future.then(completed)
+        if self.device.type == "cuda":
+            return future.then(completed)
+        return then_off_this_thread(future, completed)
 
-    def _complete(self, on_complete: Callable[["BucketRecord"], None]) -> None:
+    def _complete(self, on_complete: Callable[["BucketRecord"], None], at: Stamp | None = None) -> None:
         try:
-            self.ends.completed = stamp(self.device)
+            self.ends.completed = at if at is not None else stamp(self.device)
         except Exception:
             self.note_failure("completion")
         on_complete(self)
