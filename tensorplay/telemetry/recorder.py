@@ -1,9 +1,10 @@
 """What one traced hook call (one bucket of one iteration) records while it runs.
 
 A :class:`BucketRecord` is the probe's recorder for that call: the hook reports its collectives
-and compression stages to it on the training thread (cheaply: stamps and 0-dim figures), the
-futures' callbacks stamp completions and keep the live in-flight gauge, and the resolver turns
-the finished record into metrics and a span. Nothing here may raise into training: failures
+and compression stages to it on the training thread (cheaply: stamps, and on CPU a cast's
+figures are left to a callback of the collective that reduces it), the futures' callbacks stamp
+completions, take those figures and keep the live in-flight gauge, and the resolver turns the
+finished record into metrics and a span. Nothing here may raise into training: failures
 are logged, counted and mark the span incomplete.
 """
 

@@ -105,6 +105,8 @@ class _TracedHook:
         self._step = 0
         self._new_step = True
         self._previous_step_end: Optional[CollectiveEnds] = None
+        self._last_step_gauge: tuple[TensorplayMetrics, str, Any] | None = None
+        """(metrics, rank label, that rank's last-step child): the same at every call."""
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         step = self._step
@@ -175,10 +177,19 @@ class _TracedHook:
             return None
         try:
             if metrics is not None:
-                metrics.last_step_timestamp.labels(rank=record.rank_label).set(record.called.unix_ns / 1e9)
+                self._last_step_child(metrics, record.rank_label).set(record.called.unix_ns / 1e9)
         except Exception:
             record.note_failure("last_step_timestamp")
         return record
+
+
+    def _last_step_child(self, metrics: TensorplayMetrics, rank_label: str) -> Any:
+        """The last-step gauge of this rank, looked up once (``labels()`` costs more than ``set()``)."""
+        cached = self._last_step_gauge
+        if cached is None or cached[0] is not metrics or cached[1] != rank_label:
+            cached = (metrics, rank_label, metrics.last_step_timestamp.labels(rank=rank_label))
+            self._last_step_gauge = cached
+        return cached[2]
 
 
 def _world_size(state: Any) -> int:
