@@ -6,14 +6,15 @@ side by side in interleaved rounds, and prints:
 
 * the CPU time per step of the traced copy over the untraced one (all threads of the process:
   the completion callbacks run on gloo's threads), median and quartiles of per-round ratios;
-* per hook call, on the training thread (from ``cProfile``, which inflates Python-level parts a
-  little): the untraced hook, the traced call and its parts: the compression figures (the
-  non-finite check on every call, plus the exact error pass on sampled steps: averaged over all
-  calls), starting the record (span, record, gauges) and the rest of the bookkeeping.
+* per hook call, on the training thread (from ``cProfile``, which profiles only the thread it
+  runs on and inflates Python-level parts a little): the untraced hook, the traced call and its
+  parts: the compression figures that ran there (averaged over all calls), starting the record
+  (span, record, gauges) and the rest of the bookkeeping.
 
-The non-finite check runs on every bucket of every step, before the collective is launched (the
-collective overwrites what it checks), so it is the floor of the traced cost at the default
-sampling; the error pass is what ``error_every=1`` adds.
+The fp16/bf16 casts' figures (the non-finite check on every call, the exact error pass on sampled
+steps) are taken in a callback of the bucket's collective, which runs on gloo's thread unless
+the collective completed before the hook chained on it (with one rank it sometimes has): what
+the table shows of them is what ran inline on the training thread.
 
     python bench/traced_breakdown.py [--hook fp16_compress_hook] [--error-every 25] [--rounds 13] [--steps 4]
 """
@@ -38,8 +39,9 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as po
 from tensorplay.telemetry import enable_metrics
 
 PARTS = {
-    "compression figures, all": ("figures.py", "compression_figures"),
-    "  of which the non-finite check": ("figures.py", "nonfinite_counts"),
+    "compression figures before launch": ("figures.py", "compression_figures"),
+    "cast figures after the collective": ("figures.py", "cast_figures"),
+    "  non-finite check of the result": ("figures.py", "all_finite"),
     "start of the record": ("traced.py", "_start_record"),
     "which model the bucket is from": ("models.py", "of"),
     "collective bookkeeping": ("recorder.py", "collective_launching"),

@@ -275,8 +275,9 @@ class _Recorder:
         self.launched.append(tensor.numel())
         return len(self.launched)
 
-    def collective_launched(self, token: Any, future: torch.futures.Future) -> None:
+    def collective_launched(self, token: Any, future: torch.futures.Future) -> torch.futures.Future:
         assert token == len(self.launched)
+        return future
 
     def wants_compression_error(self) -> bool:
         return self.wants_error

@@ -1,7 +1,9 @@
 """Telemetry parts that need no ranks: span life, span ending, the in-flight gauge, figures on
 the CUDA path (exercised with stand-in events on CPU), and configure_tracing's set-up rules."""
 
+import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -196,6 +198,72 @@ def test_an_overflowed_cuda_figure_is_left_out_as_on_cpu() -> None:
     labels = {"rank": "0", "hook": "fp16_compress_hook"}
     assert metrics.registry.get_sample_value("tensorplay_compression_error_ratio_sum", labels) is None
     assert metrics.registry.get_sample_value("tensorplay_nonfinite_elements_total", labels) == 16
+
+
+def test_figures_recomputed_from_the_input_equal_those_of_the_compressed_tensor() -> None:
+    """What the recorder takes after the collective equals what it took before, bit for bit.
+
+    Cases: a healthy bucket, one whose float16 sum overflows although every element is finite
+    (a non-finite sum is no proof of a non-finite element), and one holding NaN, inf and values
+    that overflow when cast.
+    """
+    generator = torch.Generator().manual_seed(0)
+    healthy = torch.randn(270_000, generator=generator)  # more than one slice of the error pass
+    large = torch.full((20_000,), 60_000.0)
+    poisoned = healthy[:20_000].clone()
+    poisoned[:3], poisoned[3:5], poisoned[5:12] = float("nan"), float("inf"), -1e6
+    for dtype in (torch.float16, torch.bfloat16):
+        for original, scale in ((healthy, 2), (large, 1), (poisoned, 3), (poisoned * 1e33, 1)):
+            approximation = original.to(dtype).div_(scale) if scale != 1 else original.to(dtype)
+            expected = figures.compression_figures(original, approximation, scale)
+            assert figures.cast_figures(original, dtype, scale, True, proven_finite=False) == expected
+            finite = figures.all_finite(approximation)
+            assert finite == bool(torch.isfinite(approximation).all())
+            if finite:
+                assert figures.cast_figures(original, dtype, scale, True, proven_finite=True) == expected
+                assert figures.cast_figures(original, dtype, scale, False, proven_finite=True) == (None, 0, 0)
+    assert not figures.all_finite(torch.tensor([1.0, float("nan")])) and figures.all_finite(large.half())
+
+
+def test_a_completed_collectives_continuation_runs_off_the_training_thread() -> None:
+    from tensorplay.telemetry.offthread import then_off_this_thread
+
+    def where(done: torch.futures.Future) -> tuple[str, int]:
+        return threading.current_thread().name, done.value() + 1
+
+    completed: torch.futures.Future = torch.futures.Future()
+    completed.set_result(1)
+    assert then_off_this_thread(completed, where).wait() == ("tensorplay-continuations", 2)
+    failed: torch.futures.Future = torch.futures.Future()
+    failed.set_exception(ValueError("collective failed"))
+    with pytest.raises(ValueError, match="collective failed"):
+        then_off_this_thread(failed, where).wait()
+    pending: torch.futures.Future = torch.futures.Future()
+    chained = then_off_this_thread(pending, where)
+    pending.set_result(5)  # a pending one continues where it completes, as then() does
+    assert chained.wait() == (threading.current_thread().name, 6)
+
+
+def test_a_forked_child_runs_completed_continuations_on_a_thread_of_its_own() -> None:
+    """The parent's continuation thread does not survive a fork: the child must start its own."""
+    from tensorplay.telemetry.offthread import then_off_this_thread
+
+    completed: torch.futures.Future = torch.futures.Future()
+    completed.set_result(1)
+    assert then_off_this_thread(completed, lambda done: done.value()).wait() == 1  # the parent's thread runs
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its continuation ran
+        status = 1
+        try:
+            chained = then_off_this_thread(completed, lambda done: done.value() + 1)
+            deadline = time.monotonic() + 5
+            while not chained.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            status = 0 if chained.done() and chained.value() == 2 else 1
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's continuation never ran"
 
 
 def test_the_event_watcher_acts_once_events_complete() -> None:

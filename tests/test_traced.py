@@ -562,3 +562,121 @@ def test_a_bucket_holding_nan_is_counted_and_training_goes_on() -> None:
             assert result["other spans clean"]
             assert result["metric"] == 8
             assert result["created metric"] == 0
+
+
+POISONED_HOOKS = {
+    "fp16_compress_hook": (default_hooks.fp16_compress_hook, torch.float16, False),
+    "bf16_compress_wrapper(allreduce_hook)": (
+        default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook), torch.bfloat16, True,
+    ),
+}
+OVERFLOW = {torch.float16: 1e6, torch.bfloat16: 3.4e38}  # finite in float32, inf once cast
+
+
+def _poisoned_on_one_rank(rank: int, world_size: int) -> dict:
+    """Step 2 of 3: rank 0's bucket 0 holds NaN and values that overflow when cast, rank 1's bucket 1 overflows.
+
+    The collective spreads the non-finite sums to every rank: what each rank counts must still be
+    only its own elements, in its own bucket, and the error of a rank's clean bucket stays exact.
+    Errors are sampled every other step (0 and 2).
+    """
+    import threading
+
+    import tensorplay.telemetry.figures as figures
+
+    events: list[tuple[str, int]] = []
+    launch = dist.all_reduce
+    passes = ("compression_figures", "cast_figures", "all_finite", "nonfinite_counts")
+    watched = {name: getattr(figures, name) for name in passes if hasattr(figures, name)}
+
+    def note(kind: str) -> None:
+        events.append((kind, threading.get_ident()))
+
+    def launching(*args: Any, **kwargs: Any) -> Any:
+        note("launch")
+        return launch(*args, **kwargs)
+
+    def watching(name: str) -> Any:
+        return lambda *args, **kwargs: (note("figures"), watched[name](*args, **kwargs))[1]
+
+    outcome: dict[str, Any] = {}
+    for name, (hook, dtype, wrapper) in POISONED_HOOKS.items():
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        metrics = TensorplayMetrics(CollectorRegistry())
+        step = [0, 0]
+
+        def poisoned(target: Any, slot: int) -> Any:
+            def poisoning_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+                note("call")
+                if step[slot] == 2 and (rank, bucket.index()) == (0, 0):
+                    bucket.buffer()[:3] = float("nan")
+                    bucket.buffer()[10:14] = OVERFLOW[dtype]
+                if step[slot] == 2 and (rank, bucket.index()) == (1, 1):
+                    bucket.buffer()[20:25] = -OVERFLOW[dtype]
+                if bucket.is_last():
+                    step[slot] += 1
+                return target(state, bucket)
+
+            return poisoning_hook
+
+        copies = BucketCopies(poisoned(traced(hook, error_every=2, metrics=metrics, tracer_provider=provider), 0))
+        events.clear()
+        dist.all_reduce = launching
+        for watched_name in watched:
+            setattr(figures, watched_name, watching(watched_name))
+        try:
+            traced_params = train(rank, copies.hook, steps=3)
+            # On the training thread, what each hook call does first (callbacks may run inline later).
+            own = [kind for kind, thread in events if thread == threading.get_ident()]
+        finally:
+            dist.all_reduce = launch
+            for watched_name, function in watched.items():
+                setattr(figures, watched_name, function)
+        assert flush(30)
+        plain_params = train(rank, poisoned(passthrough(hook), 1), steps=3)
+        spans = {
+            (s.attributes[Attr.STEP], s.attributes[Attr.BUCKET_INDEX]): dict(s.attributes)
+            for s in exporter.get_finished_spans()
+        }
+        labels = {"rank": str(rank), "hook": name}
+        outcome[name] = {
+            "bitwise equal": all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(traced_params, plain_params)),
+            "after each call": {after for before, after in zip(own, own[1:]) if before == "call"},
+            "created": {key: span[Attr.COMPRESSION_NONFINITE] for key, span in spans.items()},
+            "already": {key: span[Attr.BUCKET_NONFINITE] for key, span in spans.items()},
+            "errors": {key: span.get(Attr.COMPRESSION_RELATIVE_ERROR) for key, span in spans.items()},
+            "expected errors": {
+                key: _expected_error(copies.copies[key], dtype, world_size, wrapper) for key in spans if key[0] != 1
+            },
+            "created metric": metrics.registry.get_sample_value("tensorplay_nonfinite_elements_total", labels),
+            "already metric": metrics.registry.get_sample_value("tensorplay_bucket_nonfinite_elements_total", labels),
+        }
+    return outcome
+
+
+@pytest.mark.parametrize("name", POISONED_HOOKS)
+def test_nonfinite_counts_stay_exact_per_rank_and_bucket_off_the_launch_path(
+    poisoned_outcome: list[dict], name: str
+) -> None:
+    poisoned_bucket = {0: (2, 0), 1: (2, 1)}
+    expected = {0: (4, 3), 1: (5, 0)}  # (made by compression, already there) in the poisoned bucket
+    for rank, outcome in enumerate(poisoned_outcome):
+        result = outcome[name]
+        assert result["bitwise equal"], f"rank {rank}: traced({name}) changed the gradients"
+        assert result["after each call"] == {"launch"}, "a figure was computed before the bucket's collective was launched"
+        for key, created in result["created"].items():
+            counts = (created, result["already"][key])
+            assert counts == (expected[rank] if key == poisoned_bucket[rank] else (0, 0)), (rank, key)
+        assert (result["created metric"], result["already metric"]) == expected[rank]
+        for key, error in result["errors"].items():
+            if key[0] == 1 or key == poisoned_bucket[rank]:  # not sampled (error_every=2), or undefined
+                assert error is None
+            else:
+                assert error == pytest.approx(result["expected errors"][key], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def poisoned_outcome() -> list[dict]:
+    return run_ranks(_poisoned_on_one_rank, 2)

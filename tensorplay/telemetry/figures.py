@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["compression_figures", "to_number", "error_value"]
+__all__ = ["compression_figures", "cast_figures", "all_finite", "to_number", "error_value"]
 
 # Elements per slice of the CPU error pass: a 1 MiB float32 scratch slice stays in cache, and a
 # 25 MB bucket takes 25 slices of three calls each (2^16 took 100: 24 % slower per bucket,
@@ -38,8 +38,12 @@ def compression_figures(
     if original.is_cuda:
         return _cuda_figures(original, approximation, scale, residual, with_error)
     if with_error and residual is not None:
-        error = _ratio(float(torch.linalg.vector_norm(residual)), float(torch.linalg.vector_norm(original)))
-        return (error, *nonfinite_counts(original, approximation)) if approximation is not None else (error, 0, 0)
+        residual_norm = float(torch.linalg.vector_norm(residual))
+        error = _ratio(residual_norm, float(torch.linalg.vector_norm(original)))
+        if approximation is None or math.isfinite(residual_norm):
+            # A finite norm of original - approximation proves both finite: no counting pass.
+            return error, 0, 0
+        return (error, *nonfinite_counts(original, approximation))
     if approximation is None:
         return None, 0, 0
     if not with_error:
@@ -50,24 +54,62 @@ def compression_figures(
     return (None, *nonfinite_counts(original, approximation))
 
 
-def _squared_norms_by_slices(original: torch.Tensor, approximation: torch.Tensor, scale: float) -> tuple[float, float]:
+def cast_figures(
+    original: torch.Tensor, dtype: torch.dtype, scale: float, with_error: bool, proven_finite: bool
+) -> tuple[float | None, int, int]:
+    """The figures of :func:`compression_figures` for a compression that is ``original.to(dtype) / scale``.
+
+    The approximation is recomputed from ``original`` (bit for bit what the hook made, since a
+    cast and a division are exact functions of their input), so the figures can be taken after
+    the collective has overwritten the hook's compressed tensor, as long as ``original`` is
+    unchanged. ``proven_finite`` says that the approximation is known to hold no non-finite
+    element (every rank's contribution to a finite all-reduce result is finite): the counts are
+    then zero without a pass, and the error pass casts slice by slice, in cache. Otherwise the
+    approximation is rebuilt whole and the figures are exactly those of :func:`compression_figures`.
+    CPU only.
+    """
+    if not proven_finite:
+        return compression_figures(original, _cast(original.reshape(-1), dtype, scale), scale, None, with_error)
+    if not with_error:
+        return None, 0, 0
+    error_sq, reference_sq = _squared_norms_by_slices(original.reshape(-1), None, scale, dtype)
+    if math.isfinite(error_sq) and math.isfinite(reference_sq):
+        return _ratio(error_sq**0.5, reference_sq**0.5), 0, 0
+    return None, 0, 0  # finite approximation: its input is finite too, whatever the norms did
+
+
+def _cast(original: torch.Tensor, dtype: torch.dtype, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``original`` cast to ``dtype`` then divided by ``scale``: the hooks' own arithmetic, in ``out`` if given."""
+    cast = original.to(dtype) if out is None else out.copy_(original)
+    return cast.div_(scale) if scale != 1 else cast
+
+
+def _squared_norms_by_slices(
+    original: torch.Tensor, approximation: torch.Tensor | None, scale: float, cast_to: torch.dtype | None = None
+) -> tuple[float, float]:
     """‖original − scale·approximation‖² and ‖original‖² in one cache-friendly CPU pass.
 
     The ratio of their roots is the relative error of x = original / scale, without dividing.
+    Without ``approximation``, each slice of it is recomputed as ``original.to(cast_to) / scale``.
     """
     dtype = torch.promote_types(original.dtype, torch.float32)
     scratch = torch.empty(min(_SLICE, original.numel()), dtype=dtype)
+    cast_scratch = torch.empty(scratch.numel(), dtype=cast_to) if approximation is None else None
     error_sq = 0.0
     reference_sq = 0.0
     for start in range(0, original.numel(), _SLICE):
         x = original[start : start + _SLICE]
+        if cast_scratch is not None:
+            approximated = _cast(x, cast_to, scale, out=cast_scratch[: x.numel()])  # type: ignore[arg-type]
+        else:
+            approximated = approximation[start : start + _SLICE]  # type: ignore[index]
         if x.dtype != dtype:
             x = scratch[: x.numel()].copy_(x)
             reference_sq += float(torch.dot(x, x))
-            difference = x.sub_(approximation[start : start + _SLICE], alpha=scale)
+            difference = x.sub_(approximated, alpha=scale)
         else:
             reference_sq += float(torch.dot(x, x))
-            difference = torch.sub(x, approximation[start : start + _SLICE], alpha=scale, out=scratch[: x.numel()])
+            difference = torch.sub(x, approximated, alpha=scale, out=scratch[: x.numel()])
         error_sq += float(torch.dot(difference, difference))
     return error_sq, reference_sq
 
@@ -110,13 +152,23 @@ def nonfinite_counts(original: torch.Tensor, approximation: torch.Tensor) -> tup
     dtype (4 to 25 times faster than widening it), and when that sum itself overflows, a finite
     minimum and maximum still prove the bucket finite.
     """
-    if bool(torch.isfinite(approximation.sum())):
-        return 0, 0
-    low, high = torch.aminmax(approximation)
-    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+    if all_finite(approximation):
         return 0, 0
     already = int(_nonfinite_count(original))
     return max(int(_nonfinite_count(approximation)) - already, 0), already
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite (CPU), in one pass when it is.
+
+    A sum with a non-finite term is not finite, so a finite sum proves every element finite;
+    the sum is taken in the tensor's own dtype, and when that sum itself overflows, a finite
+    minimum and maximum still prove it. Only a tensor that holds inf or NaN fails both.
+    """
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def _nonfinite_count(tensor: torch.Tensor) -> torch.Tensor:

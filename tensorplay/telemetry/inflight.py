@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Gauge
 
@@ -35,6 +36,8 @@ class CollectivesInFlight:
         self._lock = threading.Lock()
         self._launched: dict[str, dict[int, WaitingCollective]] = {}
         self._tokens = itertools.count()
+        self._children: dict[str, Any] = {}
+        """Rank label -> its gauge child, looked up once (``labels()`` costs more than ``set()``)."""
 
     def launched(self, rank: str, unix_s: float, step: int | None = None, bucket: int | None = None) -> int:
         """Note a collective launched at ``unix_s``; returns the token for :meth:`completed`."""
@@ -43,7 +46,7 @@ class CollectivesInFlight:
             pending = self._launched.setdefault(rank, {})
             pending[token] = WaitingCollective(unix_s, step, bucket)
             if len(pending) == 1:
-                self._gauge.labels(rank=rank).set(unix_s)
+                self._child(rank).set(unix_s)
         return token
 
     def completed(self, rank: str, token: int) -> None:
@@ -56,7 +59,13 @@ class CollectivesInFlight:
             del pending[token]
             if was_oldest:
                 oldest = next(iter(pending.values()), None)
-                self._gauge.labels(rank=rank).set(oldest.since_unix if oldest is not None else 0.0)
+                self._child(rank).set(oldest.since_unix if oldest is not None else 0.0)
+
+    def _child(self, rank: str) -> Any:
+        child = self._children.get(rank)
+        if child is None:
+            child = self._children[rank] = self._gauge.labels(rank=rank)
+        return child
 
     def oldest(self, rank: str) -> WaitingCollective | None:
         """The oldest collective of ``rank`` in flight, or None."""

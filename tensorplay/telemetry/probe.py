@@ -53,8 +53,12 @@ class HookRecorder(Protocol):
     def collective_launching(self, tensor: torch.Tensor) -> Any:
         """Note that ``tensor`` is about to enter a collective; returns a token for ``collective_launched``."""
 
-    def collective_launched(self, token: Any, future: torch.futures.Future) -> None:
-        """Note the future of the collective announced by ``token``."""
+    def collective_launched(self, token: Any, future: torch.futures.Future) -> torch.futures.Future:
+        """Note the future of the collective announced by ``token``; return the future to chain on.
+
+        That is ``future`` itself, or one that completes with its value (or failure) once the
+        recorder has looked at the reduced result: the hook chains its decompression on it.
+        """
 
     def collective_not_launched(self, token: Any, error: BaseException) -> None:
         """Note that launching the collective announced by ``token`` raised ``error``: it is not in flight."""
@@ -70,12 +74,19 @@ class HookRecorder(Protocol):
         *,
         scale: float = 1.0,
         residual: torch.Tensor | None = None,
+        recomputable: bool = False,
     ) -> None:
         """Report one compression stage.
 
         ``original`` is this rank's full-precision contribution. Either ``approximation * scale``
         is what compression made of it, or ``residual`` is ``original`` minus that (PowerSGD's
         error feedback). Must be called before the collective that reuses ``approximation``.
+
+        ``recomputable`` promises that ``approximation`` is exactly ``original`` cast to its dtype
+        and divided by ``scale``, that a collective reporting ``approximation`` itself (divided
+        or not) reduces it, and that ``original`` stays unchanged until that collective's future
+        (as returned by :meth:`collective_launched`) or else the hook's own future completes:
+        the recorder may then take the figures there, off the launch path.
         """
 
 

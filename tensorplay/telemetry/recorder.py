@@ -1,9 +1,10 @@
 """What one traced hook call (one bucket of one iteration) records while it runs.
 
 A :class:`BucketRecord` is the probe's recorder for that call: the hook reports its collectives
-and compression stages to it on the training thread (cheaply: stamps and 0-dim figures), the
-futures' callbacks stamp completions and keep the live in-flight gauge, and the resolver turns
-the finished record into metrics and a span. Nothing here may raise into training: failures
+and compression stages to it on the training thread (cheaply: stamps, and on CPU a cast's
+figures are left to a callback of the collective that reduces it), the futures' callbacks stamp
+completions, take those figures and keep the live in-flight gauge, and the resolver turns the
+finished record into metrics and a span. Nothing here may raise into training: failures
 are logged, counted and mark the span incomplete.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from . import figures
 from .metrics import TensorplayMetrics
+from .offthread import then_off_this_thread
 from .spans import OwnedSpan
 from .timing import Stamp, stamp
 
@@ -38,6 +40,20 @@ class CompressionStage:
     """Elements already non-finite in what this stage compressed."""
     ready: Stamp | None = None
     """On CUDA, reached once the figures (computed on whatever stream was current) are written."""
+
+
+@dataclass
+class _PendingCast:
+    """A cast compression whose figures are taken later, from its unchanged input (CPU).
+
+    ``approximation`` (the compressed tensor) is kept to recognise the collective that reduces
+    it in place, and read once that collective has overwritten it with the sum over ranks.
+    """
+
+    stage: CompressionStage
+    original: torch.Tensor
+    approximation: torch.Tensor
+    scale: float
 
 
 class CollectiveEnds:
@@ -110,6 +126,10 @@ class BucketRecord:
         self._in_flight: list[int | None] = []
         self.wire_bytes = 0
         self.stages: list[CompressionStage] = []
+        self._pending_casts: list[_PendingCast] = []
+        """Cast stages whose figures wait for the collective that reduces them, or for completion."""
+        self._proven_by: dict[int, _PendingCast] = {}
+        """Launch index -> the pending cast whose approximation that collective reduces."""
         self.returned_buffer_bytes: int | None = None
         self.error: BaseException | None = None
         """The failure of the hook's future or of one of its collectives."""
@@ -130,18 +150,30 @@ class BucketRecord:
             self.ends.stamps.append(None)
             self._in_flight.append(token)
             self.wire_bytes += tensor.numel() * tensor.element_size()
+            if self._pending_casts:
+                self._match_pending_cast(len(self.launches) - 1, tensor)
             return len(self.launches) - 1
         except Exception:
             self.note_failure("collective_launching")
             return -1
 
-    def collective_launched(self, token: int, future: torch.futures.Future) -> None:
+    def collective_launched(self, token: int, future: torch.futures.Future) -> torch.futures.Future:
         if token < 0:
-            return
+            return future
         try:
             future.add_done_callback(functools.partial(self._collective_done, token))
         except Exception:
             self.note_failure("collective_launched")
+        if token not in self._proven_by:
+            return future
+        try:
+            # The hook chains its decompression on this future: the figures come strictly first,
+            # and never on the training thread, even when the collective has already completed.
+            return then_off_this_thread(future, functools.partial(self._checked, token))
+        except Exception:
+            self.note_failure("collective_launched")
+            self._resolve_cast(self._proven_by.pop(token), proof=None)  # the input is still unchanged
+            return future
 
     def collective_not_launched(self, token: int, error: BaseException) -> None:
         if token < 0:
@@ -167,8 +199,15 @@ class BucketRecord:
         *,
         scale: float = 1.0,
         residual: torch.Tensor | None = None,
+        recomputable: bool = False,
     ) -> None:
         try:
+            if recomputable and approximation is not None and residual is None and not original.is_cuda:
+                # Nothing on the launch path: the figures come once the collective has reduced it.
+                stage = CompressionStage(kind, None, 0, 0)
+                self.stages.append(stage)
+                self._pending_casts.append(_PendingCast(stage, original, approximation, scale))
+                return
             with torch.no_grad():
                 error, nonfinite, input_nonfinite = figures.compression_figures(
                     original, approximation, scale, residual, with_error=self.sample_error
@@ -192,21 +231,28 @@ class BucketRecord:
             buffer = bucket.buffer()
             self.returned_buffer_bytes = buffer.numel() * buffer.element_size()
 
+        # A future that already completed (a fast collective, one rank) is finished off this
+        # thread, a little later: it completed no later than now.
+        completed_by_now = stamp(self.device) if self.device.type != "cuda" and future.done() else None
+
         def completed(done: torch.futures.Future) -> Any:
+            self._resolve_pending_casts()
             try:
                 value = done.value()
             except Exception as error:
                 self.error = self.error or error
-                self._complete(on_complete)
+                self._complete(on_complete, completed_by_now)
                 raise
-            self._complete(on_complete)
+            self._complete(on_complete, completed_by_now)
             return value
 
-        return future.then(completed)
+        if self.device.type == "cuda":
+            return future.then(completed)
+        return then_off_this_thread(future, completed)
 
-    def _complete(self, on_complete: Callable[["BucketRecord"], None]) -> None:
+    def _complete(self, on_complete: Callable[["BucketRecord"], None], at: Stamp | None = None) -> None:
         try:
-            self.ends.completed = stamp(self.device)
+            self.ends.completed = at if at is not None else stamp(self.device)
         except Exception:
             self.note_failure("completion")
         on_complete(self)
@@ -225,6 +271,62 @@ class BucketRecord:
                 self._on_collective_end(end, functools.partial(in_flight.completed, self.rank_label, token))
         except Exception:
             self.note_failure("collective_done")
+
+    def _checked(self, index: int, done: torch.futures.Future) -> Any:
+        """The collective ``index`` completed: take the figures of the cast it reduced, then hand its value on."""
+        pending = self._proven_by.pop(index, None)
+        if pending is not None:
+            try:
+                done.value()
+                proof: torch.Tensor | None = pending.approximation  # reduced in place: the sum over ranks
+            except Exception:
+                proof = None
+            self._resolve_cast(pending, proof)
+        return done.value()
+
+    def _match_pending_cast(self, index: int, tensor: torch.Tensor) -> None:
+        """Note that collective ``index`` reduces a pending cast's approximation (the very tensor, divided or not)."""
+        for pending in self._pending_casts:
+            approximation = pending.approximation
+            if (
+                tensor.data_ptr() == approximation.data_ptr()
+                and tensor.numel() == approximation.numel()
+                and tensor.dtype == approximation.dtype
+            ):
+                self._pending_casts.remove(pending)
+                self._proven_by[index] = pending
+                return
+
+    def _resolve_cast(self, pending: _PendingCast, proof: torch.Tensor | None) -> None:
+        """Take a pending cast's figures; ``proof`` is the all-reduced sum of every rank's approximation.
+
+        A sum with a non-finite term is not finite: a finite result proves that no rank's
+        approximation held a non-finite element, so only a result that is not finite (an input
+        that was, or a sum that overflowed) costs each rank an exact count from its own input.
+        Runs in a callback of the collective's future that the hook's decompression is chained
+        after, so the input is still unchanged.
+        """
+        try:
+            with torch.no_grad():
+                proven = proof is not None and figures.all_finite(proof)
+                stage = pending.stage
+                stage.relative_error, stage.nonfinite, stage.input_nonfinite = figures.cast_figures(
+                    pending.original, pending.approximation.dtype, pending.scale, self.sample_error, proven
+                )
+        except Exception:
+            self.note_failure("compression")
+
+    def _resolve_pending_casts(self) -> None:
+        """Take the figures of the casts no reported collective proved (a wrapper around PowerSGD, say).
+
+        Their input is unchanged until the hook's future completes, which is now.
+        """
+        while self._pending_casts:
+            self._resolve_cast(self._pending_casts.pop(), proof=None)
+        for index in list(self._proven_by):
+            pending = self._proven_by.pop(index, None)
+            if pending is not None:
+                self._resolve_cast(pending, proof=None)
 
     def note_failure(self, where: str) -> None:
         """Log and count a telemetry failure at ``where``; the span will say it is incomplete."""

@@ -70,14 +70,24 @@ def tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
     """Return tensorplay's tracer from ``provider``, else the current global one (a no-op without an SDK).
 
     The global provider is looked up on every use, so a provider set or replaced later (tests
-    do) is honoured. Whoever made the provider, tensorplay's own spans never take IDs from
+    do) is honoured, and the tracer is made once per provider. Whoever made the provider, tensorplay's own spans never take IDs from
     Python's ``random``: a tracer on the SDK's default generator gets
     :class:`SystemRandomIdGenerator` instead (a generator the application chose is kept).
     """
-    found = (provider if provider is not None else trace.get_tracer_provider()).get_tracer(TRACER_NAME, __version__)
+    global _cached
+    source = provider if provider is not None else trace.get_tracer_provider()
+    cached = _cached
+    if cached is not None and cached[0] is source:
+        return cached[1]
+    found = source.get_tracer(TRACER_NAME, __version__)
     if _draws_from_random(found):
         found.id_generator = _SYSTEM_IDS  # type: ignore[attr-defined]  # an SDK Tracer's public attribute
+    _cached = (source, found)
     return found
+
+
+_cached: tuple[trace.TracerProvider, trace.Tracer] | None = None
+"""The tracer last made, with its provider: the SDK's ``get_tracer`` costs ~20 us per hook call."""
 
 
 class JsonLinesSpanExporter(SpanExporter):

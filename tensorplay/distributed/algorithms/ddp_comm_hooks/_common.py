@@ -57,7 +57,10 @@ def check_hook(hook: Any, wrapper_name: str) -> None:
 def allreduce_future(
     tensor: torch.Tensor, group: dist.ProcessGroup, recorder: HookRecorder | None
 ) -> torch.futures.Future[list[torch.Tensor]]:
-    """Launch an async sum-allreduce of ``tensor`` in place and report it to ``recorder``."""
+    """Launch an async sum-allreduce of ``tensor`` in place and report it to ``recorder``.
+
+    With a recorder, the future returned is the one the recorder hands back: chain on it.
+    """
     if recorder is None:
         return dist.all_reduce(tensor, group=group, async_op=True).get_future()
     token = recorder.collective_launching(tensor)
@@ -66,8 +69,7 @@ def allreduce_future(
     except BaseException as error:
         recorder.collective_not_launched(token, error)
         raise
-    recorder.collective_launched(token, future)
-    return future
+    return recorder.collective_launched(token, future)
 
 
 def first_value(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

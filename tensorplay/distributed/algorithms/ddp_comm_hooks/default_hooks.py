@@ -73,9 +73,13 @@ def _compress_hook(
     check_floating_bucket(buffer, name)
     # Divide after the cast, as torch does, so the arithmetic is identical.
     compressed = buffer.to(dtype).div_(world_size)
+    compiling = torch.compiler.is_compiling()
     recorder = current_recorder()
     if recorder is not None:
-        recorder.compression(_COMPRESSION_NAMES[dtype], buffer, compressed, scale=world_size)
+        # ``buffer`` stays as it is until ``decompress``, chained after the reported allreduce.
+        recorder.compression(
+            _COMPRESSION_NAMES[dtype], buffer, compressed, scale=world_size, recomputable=not compiling
+        )
 
     def decompress(fut: Any) -> torch.Tensor:
         # Decompress into the bucket's own buffer to keep peak memory down.
@@ -83,7 +87,7 @@ def _compress_hook(
         buffer.copy_(value)
         return buffer
 
-    if torch.compiler.is_compiling():
+    if compiling:
         reduced = dist._functional_collectives.all_reduce(compressed, "sum", group)
         return decompress(reduced)
     return allreduce_future(compressed, group, recorder).then(decompress)
@@ -139,7 +143,8 @@ def _compress_wrapper(
         compressed = original.to(dtype)
         recorder = current_recorder()
         if recorder is not None:
-            recorder.compression(compression_name, original, compressed)
+            # DDP's own buffer: the wrapped hook works on ``compressed``, DDP reads the result later.
+            recorder.compression(compression_name, original, compressed, recomputable=True)
         bucket.set_buffer(compressed)
 
         fut = hook(hook_state, bucket)
