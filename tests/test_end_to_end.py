@@ -439,7 +439,11 @@ def test_a_job_that_ends_right_after_its_join_leaves_its_final_figures(prometheu
     """No linger: the ranks exit right after training, yet Prometheus holds each rank's final Join
     figures, because a rank waits (bounded) for one more scrape before it exits."""
     job = "e2e-short"
-    run = start_scraped_demo(prometheus, tmp_path, job, 2, "--steps", "40", "--uneven", linger_s=0.0)
+    # A rank that Prometheus never scraped has nobody to wait for (wait_for_final_scrape returns
+    # at once), and 40 plain steps can end inside the first 1 s scrape interval of a rank's
+    # endpoint. Rank 0's 75 ms per step keeps the job up for about 3 s, several scrapes of each rank.
+    run = start_scraped_demo(prometheus, tmp_path, job, 2, "--steps", "40", "--uneven",
+                             "--straggler-rank", "0", "--straggler-delay-ms", "75", linger_s=0.0)
     try:
         run.process.wait(timeout=RUN_TIMEOUT_S)
     except BaseException:

@@ -68,6 +68,9 @@ def _run() -> None:
             job()
         except Exception:  # a job sets its own future; nothing may stop the thread
             _logger.warning("tensorplay: a continuation failed off the training thread", exc_info=True)
+        # Let go of the job before waiting for the next: it holds its record (and the bucket's
+        # tensors) alive for as long as the thread idles otherwise.
+        del job
 
 
 def _start_afresh_after_fork() -> None:
