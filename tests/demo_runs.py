@@ -8,6 +8,7 @@ same run instead of paying for two.
 
 from __future__ import annotations
 
+import http.client
 import re
 import subprocess
 import sys
@@ -28,11 +29,16 @@ LINGER_S = "1.0"  # the ranks keep serving metrics this long after training: tim
 
 
 def scrape(port: int) -> str | None:
-    """The body of ``http://127.0.0.1:port/metrics``, or None if nothing answers."""
+    """The body of ``http://127.0.0.1:port/metrics``, or None if no HTTP server answers there.
+
+    Before a rank's server listens, a connection to its port (in the ephemeral range) can be a
+    TCP self-connection: the client reads back its own request (``BadStatusLine: GET /metrics``).
+    That is "nothing answers" too, not a reason for the watching thread to die.
+    """
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as response:
             return response.read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return None
 
 

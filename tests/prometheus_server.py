@@ -20,6 +20,7 @@ or the class directly: ``with PrometheusServer(targets, tmp_dir) as server: ...`
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -205,7 +206,7 @@ class PrometheusServer:
                 with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as response:
                     if response.status == 200:
                         return
-            except (urllib.error.URLError, ConnectionError, OSError):
+            except (urllib.error.URLError, ConnectionError, OSError, http.client.HTTPException):  # a self-connection reads back its request
                 pass
             time.sleep(0.1)
         raise PrometheusError(f"prometheus was not ready after {timeout:.0f} s:\n{self.log_tail()}")

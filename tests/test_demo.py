@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +27,26 @@ from .demo_runs import Demo, has_sample, scrape
 from .ranks import free_base_port
 
 pytestmark = pytest.mark.timeout(120)
+
+def test_scraping_a_port_that_echoes_is_nothing_answering() -> None:
+    """What a TCP self-connection to a rank's port looks like before its server listens: the
+    request comes back as the response (seen once in CI: the watcher thread died on it)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def echo() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.sendall(connection.recv(4096))
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    try:
+        assert scrape(port) is None
+    finally:
+        thread.join(5)
+        listener.close()
+
 
 def _assert_ran(demo: Demo, world_size: int) -> None:
     assert demo.returncode == 0, demo.stderr
