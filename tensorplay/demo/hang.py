@@ -4,9 +4,8 @@ Each rank runs a :class:`RankStateWriter`, a thread that keeps ``state-rank<r>.j
 from tensorplay's own live figures (the collective in flight, the latest hook call), so it goes
 on while the training thread is blocked. The launcher runs a :class:`HangWatch`: once no rank has
 made progress for ``--stall-timeout-s`` seconds, it writes the hang report and stops every rank.
-The attribution is the rule of the ``TensorplayRankStalled`` / ``TensorplayJobHung`` alerts: the
-ranks in no collective while others wait are the ones that never arrived; when every rank waits
-inside a collective there is no rank to blame.
+The attribution is :func:`tensorplay.analysis.hang.attribute_hang`, the rule of the
+``TensorplayRankStalled`` / ``TensorplayJobHung`` alerts.
 """
 
 from __future__ import annotations
@@ -19,12 +18,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from tensorplay.analysis.hang import attribute_hang
 from tensorplay.telemetry import TensorplayMetrics
 from tensorplay.telemetry.names import Metric
 
 from .rundir import RunDir, read_json, write_json
 
-__all__ = ["RankStateWriter", "HangWatch", "HangReport", "attribute_hang", "EXIT_HUNG"]
+__all__ = ["RankStateWriter", "HangWatch", "HangReport", "EXIT_HUNG"]
 
 EXIT_HUNG = 3
 _WRITE_EVERY_S = 0.25
@@ -126,16 +126,6 @@ def _ago(unix: float | None, now: float) -> str:
     return "none" if unix is None else f"{now - unix:.1f} s ago"
 
 
-def attribute_hang(states: list[dict], stalled_s: float) -> HangReport:
-    """Split the unfinished ranks into those in no collective and those waiting in one."""
-    active = sorted((s for s in states if not s["finished"]), key=lambda s: s["rank"])
-    return HangReport(
-        stalled_s=stalled_s,
-        never_arrived=[s for s in active if s["waiting"] is None],
-        waiting=[s for s in active if s["waiting"] is not None],
-    )
-
-
 class HangWatch:
     """The launcher's side: once no rank progressed for ``timeout_s``, report the hang and stop the ranks.
 
@@ -170,6 +160,6 @@ class HangWatch:
                 return
             stalled_s = time.time() - max(s["activity_unix"] for s in known)
             if stalled_s >= self._timeout_s:
-                self.report = attribute_hang(known, stalled_s)
+                self.report = HangReport(stalled_s, *attribute_hang(known))
                 os.kill(os.getpid(), signal.SIGTERM)
                 return

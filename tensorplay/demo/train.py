@@ -9,9 +9,9 @@ It reads ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (and the rendezvous's ``MAS
 Each rank trains a small MLP (several DDP buckets) on synthetic regression data over gloo with
 the chosen hook registered as ``traced(...)``, inside ``Join([ddp_model])`` when inputs are
 uneven, serves its metrics and exports its spans. With ``--run-dir`` it also leaves its progress,
-spans and results there, and rank 0 prints the per-rank report of :mod:`tensorplay.demo.report`
-(and writes it to ``report.txt``): every rank sends it its row over the process group, so the
-report covers every node without a shared filesystem.
+spans and results there, and rank 0 prints the per-rank table of :mod:`tensorplay.demo.table`
+(and writes it to ``report.txt``): every rank reads its own span file and sends the spans to rank 0
+over the process group, so the table covers every node without a shared filesystem.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tensorplay.analysis.straggler import straggler_verdict
+from tensorplay.analysis.span_reader import NoSpans, Spans, merge_spans, read_spans
+from tensorplay.analysis.summary import summarize
 from tensorplay.distributed.algorithms.join import Join
 from tensorplay.telemetry import (
     TensorplayMetrics,
@@ -47,7 +48,7 @@ from .hang import RankStateWriter
 from .hooks import traced_hook
 from .options import add_job_arguments, extra_batches, hang_step, job_problem
 from .progress import ProgressWriter
-from .report import render, summarize_rank
+from .table import RankFacts, render
 from .rundir import RunDir, write_json
 
 __all__ = ["main", "make_model", "batch_count"]
@@ -123,16 +124,25 @@ def _configure_tracing(args: argparse.Namespace, run_dir: RunDir | None, rank: i
     return configure_tracing(endpoint=args.otlp_endpoint, otlp=otlp, span_file=span_file)
 
 
+def _own_spans(run_dir: RunDir, rank: int) -> Spans | None:
+    """This rank's spans, read by the analysis' reader (None if it exported none)."""
+    try:
+        return read_spans(run_dir.spans(rank))
+    except NoSpans:
+        return None
+
+
 def _report_on_rank0(args: argparse.Namespace, run_dir: RunDir, result: dict[str, Any]) -> None:
-    """Every rank summarizes its own files and sends the row to rank 0, which prints and writes the report."""
+    """Every rank sends its spans to rank 0, which derives the figures, prints and writes the table."""
     rank, world_size = result["rank"], result["world_size"]
-    common_steps = min(batch_count(r, args.steps, args.uneven) for r in range(world_size))
-    row = summarize_rank(result, run_dir.spans(rank), common_steps)
-    rows: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(row, rows, dst=0)
-    if rows is not None:
+    mine = (RankFacts(rank, result["straggler"], result["metrics_url"]), _own_spans(run_dir, rank))
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is not None:
         nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-        text = render(rows, straggler_verdict([row.end_wait for row in rows]), args.hook, run_dir, nodes)
+        spans = merge_spans([part for _, part in gathered if part is not None])
+        (summary, *_) = summarize(spans)  # the demo trains one model
+        text = render(summary, [facts for facts, _ in gathered], args.hook, run_dir, nodes)
         run_dir.report.write_text(text + "\n", encoding="utf-8")
         print(text, flush=True)
 

@@ -1,4 +1,9 @@
-"""Build the report of one run: read its spans, aggregate, judge, draw, and write the HTML page."""
+"""Build the report of one run: read its spans, take each model's figures from the analysis, draw, write the page.
+
+Every number shown (the verdict, the per-rank table, what the figures draw) comes from
+:func:`tensorplay.analysis.summary.summarize`, the derivation the demo's table renders too.
+A traced hook shared by several models gets one set of sections per model.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tensorplay.analysis.run import Run
+from tensorplay.analysis.span_reader import Spans, read_spans
 from tensorplay.analysis.straggler import Verdict
+from tensorplay.analysis.summary import ModelSummary, summarize
+from tensorplay.analysis.table import COLUMNS, rank_rows
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 
-from .aggregate import Run, aggregate
-from .page import Picture, Section, html_page
-from .spans import Spans, read_spans
-from .verdict import run_verdict
+from .page import ModelPart, Picture, Section, html_page
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["Report", "ReportUnavailable", "INSTALL_HINT", "build_report", "report_from_spans", "render_html",
+__all__ = ["Report", "ModelReport", "ReportUnavailable", "INSTALL_HINT", "build_report", "report_from_spans", "render_html",
            "write_report", "default_output"]
 
 INSTALL_HINT = "pip install 'tensorplay[report]'"
@@ -30,23 +36,46 @@ class ReportUnavailable(Exception):
 
 
 @dataclass
+class ModelReport:
+    """One model's figures from the analysis, and each section's drawing."""
+
+    summary: ModelSummary
+    figures: dict[str, Figure | None]
+
+    @property
+    def run(self) -> Run:
+        return self.summary.run
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.summary.verdict
+
+
+@dataclass
 class Report:
-    """A built report: what was read, the aggregated run, the verdict and each section's figure."""
+    """A built report: what was read, and each model's figures, verdict and drawings."""
 
     source: Path
     spans: Spans
-    run: Run
-    verdict: Verdict
-    figures: dict[str, Figure | None]
+    models: list[ModelReport]
 
     @property
     def problems(self) -> list[str]:
         """What could not be read or trusted; the rest is drawn."""
         problems = list(self.spans.problems)
-        if self.run.duplicates:
-            problems.append(f"{self.run.duplicates} hook spans repeat a (rank, step, bucket) already read: do the "
+        duplicates = sum(part.run.duplicates for part in self.models)
+        if duplicates:
+            problems.append(f"{duplicates} hook spans repeat a (rank, model, step, bucket) already read: do the "
                             "files hold more than one run? The figures mix them")
         return problems
+
+    def verdict_lines(self) -> list[str]:
+        """The straggler verdict of each model, as ``tensorplay report`` prints it."""
+        return [f"straggler{_model_label(self, part)}: {part.verdict.evidence}" for part in self.models]
+
+
+def _model_label(report: Report, part: ModelReport) -> str:
+    return f" (model {part.summary.model})" if len(report.models) > 1 else ""
 
 
 def _plots():
@@ -64,7 +93,7 @@ def _plots():
 def build_report(source: Path) -> Report:
     """Read the spans under ``source`` (a run directory or a span file) and draw every figure.
 
-    Raises :class:`~tensorplay.report.spans.NoSpans` if there is nothing to draw and
+    Raises :class:`~tensorplay.analysis.span_reader.NoSpans` if there is nothing to draw and
     :class:`ReportUnavailable` without matplotlib (before reading anything).
     """
     _plots()
@@ -72,18 +101,20 @@ def build_report(source: Path) -> Report:
 
 
 def report_from_spans(source: Path, spans: Spans) -> Report:
-    """Aggregate ``spans`` (read from ``source``), judge the run and draw every figure."""
+    """Take each model's figures of ``spans`` (read from ``source``) from the analysis and draw them."""
     plots = _plots()
-    run = aggregate(spans)
-    verdict = run_verdict(run)
-    figures = {
-        "compute": plots.compute_figure(run, verdict),
-        "latency": plots.latency_figure(run, verdict),
-        "bytes": plots.bytes_figure(run),
-        "compression": plots.compression_figure(run),
-        "join": plots.join_figure(run),
-    }
-    return Report(source, spans, run, verdict, figures)
+    parts = []
+    for summary in summarize(spans):
+        run, verdict = summary.run, summary.verdict
+        parts.append(ModelReport(summary, {
+            "cost": plots.cost_figure(summary),
+            "compute": plots.compute_figure(run, verdict),
+            "latency": plots.latency_figure(run, verdict),
+            "bytes": plots.bytes_figure(run),
+            "compression": plots.compression_figure(run),
+            "join": plots.join_figure(run),
+        }))
+    return Report(source, spans, parts)
 
 
 def _subset(ranks: int, shown: int, which: str) -> str:
@@ -91,12 +122,17 @@ def _subset(ranks: int, shown: int, which: str) -> str:
     return f" ({shown} of {ranks} ranks: {which})" if ranks > shown else ""
 
 
-def _captions(report: Report, plots) -> list[tuple[str, str, str, str]]:
+def _captions(run: Run, plots) -> list[tuple[str, str, str, str]]:
     """(key, title, how to read it, note when not drawn) of each section, in page order."""
-    run = report.run
     ranks = len(run.ranks)
     hooks = ", ".join(hook.hook for hook in run.hook_bytes) or "none"
     return [
+        ("cost", "What each rank costs the job",
+         "Per rank, the share of every step its peers wait for it at the step's last collective (the bar: over the "
+         "steps every rank trained; the dot: its median step). A straggler's bar and dot both reach the dashed "
+         "line (20 %, and 10 ms per step), as the verdict and TensorplayStragglerRank weigh it"
+         + _subset(ranks, plots.COST_RANKS, "the highest shares") + ".",
+         "No share: it needs two or more ranks with steps every rank trained after the first."),
         ("compute", "Compute time per step, per rank",
          "Each line is a rank's own work before a step (end of its previous step's last collective to its next "
          "hook call, as tensorplay_step_compute_seconds): a rank slow before its first bucket (data, forward) runs "
@@ -109,7 +145,8 @@ def _captions(report: Report, plots) -> list[tuple[str, str, str, str]]:
         ("latency", "Allreduce latency, ranks x steps and ranks x buckets",
          "Dark is short, bright is long. The rank everyone waits for arrives last and waits least, so a dark row is "
          "a straggler; a bright column is a step slow for all; on the right, a bucket that is bright on every row "
-         "is always the slow one. Grey: no span"
+         "is always the slow one. Grey: no span; a cross: a step the rank shadowed inside Join (out of inputs, "
+         "not slow)"
          + _subset(ranks, plots.HEATMAP_RANKS, "the highest mean compute") + ".",
          "No hook spans, so no latency."),
         ("bytes", "Wire bytes vs bytes handed over, per hook",
@@ -136,20 +173,31 @@ def _picture(figure: Figure, plots) -> Picture:
     return Picture(plots.png(figure), int(round(width)), int(round(height)))
 
 
+def _model_part(report: Report, part: ModelReport, plots) -> ModelPart:
+    sections = [Section(key, title, caption, None if part.figures[key] is None
+                        else _picture(part.figures[key], plots), note)
+                for key, title, caption, note in _captions(part.run, plots)]
+    run = part.run
+    heading = (f"model {part.summary.model}: {len(run.ranks)} ranks, {run.steps} steps"
+               if len(report.models) > 1 else "")
+    return ModelPart(heading, part.verdict.evidence, part.verdict.rank is not None, COLUMNS,
+                     rank_rows(part.summary), sections)
+
+
 def render_html(report: Report) -> str:
     """The report as a self-contained HTML page."""
     plots = _plots()
-    sections = [Section(key, title, caption, None if report.figures[key] is None
-                        else _picture(report.figures[key], plots), note)
-                for key, title, caption, note in _captions(report, plots)]
-    run = report.run
     files = report.spans.files
-    run_line = (f"{report.source} · {len(run.ranks)} ranks · {run.steps} steps · "
-                f"hook {', '.join(hook.hook for hook in run.hook_bytes) or 'none'} · "
+    ranks = sorted({int(rank) for part in report.models for rank in part.run.ranks})
+    steps = ", ".join(str(part.run.steps) for part in report.models)
+    hooks = sorted({hook.hook for part in report.models for hook in part.run.hook_bytes})
+    models = f" · {len(report.models)} models" if len(report.models) > 1 else ""
+    run_line = (f"{report.source} · {len(ranks)} ranks{models} · {steps} steps · "
+                f"hook {', '.join(hooks) or 'none'} · "
                 f"{len(report.spans.hooks) + len(report.spans.joins)} spans from {len(files)} "
                 f"file{'s' if len(files) != 1 else ''}")
-    return html_page("tensorplay report", run_line, report.verdict.evidence, report.verdict.rank is not None,
-                     report.problems, sections)
+    return html_page("tensorplay report", run_line, report.problems,
+                     [_model_part(report, part, plots) for part in report.models])
 
 
 def default_output(source: Path) -> Path:

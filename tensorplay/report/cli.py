@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from tensorplay.analysis.span_reader import NoSpans
+
 from .build import INSTALL_HINT, ReportUnavailable, write_report
-from .spans import NoSpans
 
 __all__ = ["add_report_command", "report_command", "demo_report_line", "EXIT_BAD_INPUT"]
 
@@ -45,6 +46,8 @@ def report_command(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     for problem in report.problems:
         print(f"tensorplay report: {problem}", file=sys.stderr)
+    for line in report.verdict_lines():
+        print(line)
     print(f"report: {out}")
     return EXIT_BAD_INPUT if report.problems else 0
 

@@ -6,7 +6,7 @@ import base64
 from dataclasses import dataclass
 from html import escape
 
-__all__ = ["Section", "Picture", "html_page"]
+__all__ = ["Section", "Picture", "ModelPart", "html_page"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,19 @@ class Section:
     """Shown instead of the picture when the run has nothing to draw there."""
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """One model's part of the page: its verdict, its per-rank table and its sections."""
+
+    heading: str
+    """Names the model when the run has several; empty otherwise."""
+    verdict: str
+    straggler_found: bool
+    columns: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    sections: list[Section]
+
+
 _STYLE = """
 body { font-family: "DejaVu Sans", "Helvetica Neue", Arial, sans-serif; margin: 1.5em auto; max-width: 1120px;
        padding: 0 1em; color: #222; background: #fff; }
@@ -43,25 +56,43 @@ p.note { color: #666; font-style: italic; }
 .problems { border-left: 4px solid #ff7f0e; padding: 0.4em 0.8em; background: #fff7ef; }
 img { max-width: 100%; height: auto; display: block; }
 code { font-size: 0.95em; }
+table.ranks { border-collapse: collapse; font-size: 0.85em; margin: 0.8em 0; }
+table.ranks th, table.ranks td { padding: 0.15em 0.6em; text-align: right; border-bottom: 1px solid #ddd; }
 """
 
 
-def _section(section: Section) -> str:
+def _section(section: Section, prefix: str) -> str:
     body = (f'<img alt="{escape(section.title)}" width="{section.picture.width}" height="{section.picture.height}" '
             f'src="data:image/png;base64,{base64.b64encode(section.picture.png).decode("ascii")}">'
             if section.picture is not None else f'<p class="note">{escape(section.note)}</p>')
-    return (f'<section id="{escape(section.key)}">\n<h2>{escape(section.title)}</h2>\n'
+    return (f'<section id="{escape(prefix + section.key)}">\n<h2>{escape(section.title)}</h2>\n'
             f'<p class="how">{escape(section.caption)}</p>\n{body}\n</section>')
 
 
-def html_page(title: str, run_line: str, verdict: str, straggler_found: bool, problems: list[str],
-              sections: list[Section]) -> str:
-    """The whole page: title, what was read, the straggler verdict, input problems, the sections."""
+def _table(part: ModelPart, prefix: str) -> str:
+    head = "".join(f"<th>{escape(column)}</th>" for column in part.columns)
+    rows = "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in part.rows)
+    return f'<table class="ranks" id="{prefix}ranks"><tr>{head}</tr>{rows}</table>'
+
+
+def _model(part: ModelPart, index: int, several: bool) -> str:
+    prefix = f"model{index}-" if several else ""
+    verdict_class = "verdict" if part.straggler_found else "verdict none"
+    heading = f'<h1 id="{prefix}model">{escape(part.heading)}</h1>\n' if part.heading else ""
+    return "\n".join([
+        heading + f'<section class="{verdict_class}" id="{prefix}verdict"><strong>straggler:</strong> '
+        f"{escape(part.verdict)}</section>",
+        _table(part, prefix),
+        *(_section(section, prefix) for section in part.sections),
+    ])
+
+
+def html_page(title: str, run_line: str, problems: list[str], parts: list[ModelPart]) -> str:
+    """The whole page: title, what was read, input problems, then per model its verdict, table and sections."""
     problem_items = "".join(f"<li>{escape(problem)}</li>" for problem in problems)
     problem_block = (f'<section class="problems" id="problems"><h2>Input that could not be read</h2>'
                      f"<ul>{problem_items}</ul><p>Everything else was read and is drawn below.</p></section>\n"
                      if problems else "")
-    verdict_class = "verdict" if straggler_found else "verdict none"
     return "\n".join([
         "<!DOCTYPE html>",
         '<html lang="en">',
@@ -72,9 +103,8 @@ def html_page(title: str, run_line: str, verdict: str, straggler_found: bool, pr
         "<body>",
         f"<h1>{escape(title)}</h1>",
         f'<p class="run">{escape(run_line)}</p>',
-        f'<section class="{verdict_class}" id="verdict"><strong>straggler:</strong> {escape(verdict)}</section>',
         problem_block,
-        *(_section(section) for section in sections),
+        *(_model(part, index, len(parts) > 1) for index, part in enumerate(parts)),
         "</body></html>",
         "",
     ])

@@ -1,11 +1,12 @@
-"""The report's figures, drawn with matplotlib from a :class:`~tensorplay.report.aggregate.Run`.
+"""The report's figures, drawn with matplotlib from a :class:`~tensorplay.analysis.run.Run` (one model's).
 
 Each function returns a :class:`matplotlib.figure.Figure` (or None when the run has nothing to
 show there); artists that carry a rank's data have a ``gid`` naming it, so tests can read what
 was drawn. Figures stay readable and small at any scale: lines for at most ``TOP_K`` ranks (the
 highest mean compute) beside the median and 10-90% band of all ranks, heatmaps of at most
 ``HEATMAP_RANKS`` rows and ``HEATMAP_STEPS`` columns (steps averaged in bins beyond that), the
-``JOIN_RANKS`` ranks that shadowed most in the Join panel.
+``JOIN_RANKS`` ranks that shadowed most in the Join panel, the ``COST_RANKS`` highest shares in
+the cost panel.
 matplotlib's object API is used without pyplot: no global state, no display needed.
 """
 
@@ -16,20 +17,21 @@ import io
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import Normalize
-from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 from matplotlib.figure import Figure
 
-from tensorplay.analysis.straggler import Verdict
+from tensorplay.analysis.run import Run
+from tensorplay.analysis.straggler import MIN_LATENESS_S, SHARE_THRESHOLD, Verdict
+from tensorplay.analysis.summary import ModelSummary
 
-from .aggregate import Run
-
-__all__ = ["TOP_K", "HEATMAP_RANKS", "HEATMAP_STEPS", "JOIN_RANKS", "compute_figure", "latency_figure", "bytes_figure",
-           "compression_figure", "join_figure", "png"]
+__all__ = ["TOP_K", "HEATMAP_RANKS", "HEATMAP_STEPS", "JOIN_RANKS", "COST_RANKS", "cost_figure", "compute_figure",
+           "latency_figure", "bytes_figure", "compression_figure", "join_figure", "png"]
 
 TOP_K = 8
 HEATMAP_RANKS = 64
 HEATMAP_STEPS = 1000
 JOIN_RANKS = 16
+COST_RANKS = 32
 _WIDTH_IN = 11.0
 _DPI = 100
 _STRAGGLER_COLOR = "#d62728"
@@ -94,7 +96,8 @@ def compute_figure(run: Run, verdict: Verdict) -> Figure | None:
         axes.plot(steps, run.compute_ms[row], color=colors[int(row)], linewidth=2.4 if straggler else 1.2,
                   label=_rank_label(run, row, verdict), gid=f"compute-rank{run.ranks[row]}")
     axes.set_ylabel("compute before step (ms)")
-    axes.set_ylim(bottom=0)
+    top = float(np.nanmax(run.compute_ms))  # the band's 90th percentile is below it too
+    axes.set_ylim(0, top * 1.08)  # every point inside, its marker and line width too
     axes.grid(alpha=0.3)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
     if strip is None:
@@ -110,6 +113,37 @@ def compute_figure(run: Run, verdict: Verdict) -> Figure | None:
     strip.set_title("shadowed inside Join (out of inputs: no compute)", fontsize="small", loc="left")
     strip.grid(axis="x", alpha=0.3)
     strip.set_xlabel("step")
+    return figure
+
+
+def cost_figure(summary: ModelSummary) -> Figure | None:
+    """Per rank, the share of every step the job waits for it: over the run (bar) and at its median step (dot)."""
+    figures = [r for r in summary.ranks if r.lateness is not None]
+    if not figures:
+        return None
+    shown = sorted(sorted(figures, key=lambda r: r.lateness.share, reverse=True)[:COST_RANKS], key=lambda r: r.rank)
+    named = set(summary.verdict.ranks)
+    figure = Figure(figsize=(_WIDTH_IN, min(1.4 + 0.3 * len(shown), 7.5)), layout="constrained")
+    axes = figure.subplots()
+    positions = np.arange(len(shown))
+    shares = [100 * max(r.lateness.share, 0.0) for r in shown]
+    medians = [100 * max(r.lateness.median_share, 0.0) for r in shown]
+    bars = axes.barh(positions, shares, height=0.6, color=[_STRAGGLER_COLOR if r.rank in named else "C0" for r in shown])
+    for patch, r in zip(bars.patches, shown):
+        patch.set_gid(f"cost-rank{r.rank}")
+    axes.scatter(medians, positions, color="k", s=16, zorder=3, label="median step", gid="cost-median")
+    for position, r, share, median in zip(positions, shown, shares, medians):
+        late = r.lateness
+        axes.text(max(share, median), position, f" {share:.0f} %, {1e3 * max(late.per_step_s, 0.0):.1f} ms; latest on "
+                  f"{late.latest_steps}/{late.steps} steps", va="center", fontsize="small")
+    axes.axvline(100 * SHARE_THRESHOLD, color="0.3", linestyle="--", linewidth=1,
+                 label=f"straggler: {100 * SHARE_THRESHOLD:.0f} % (and {1e3 * MIN_LATENESS_S:g} ms)")
+    axes.set_yticks(positions, [f"rank {r.rank}" + (" (straggler)" if r.rank in named else "") for r in shown],
+                    fontsize="small")
+    axes.invert_yaxis()
+    axes.set_xlim(0, max(max(shares + medians), 100 * SHARE_THRESHOLD) * 1.6)
+    axes.set_xlabel("share of every step the job waits for the rank (%)")
+    axes.legend(loc="lower right", fontsize="small", frameon=False)
     return figure
 
 
@@ -147,6 +181,10 @@ def latency_figure(run: Run, verdict: Verdict) -> Figure | None:
     steps_axes, bucket_axes = figure.subplots(1, 2, sharey=True, width_ratios=[5, 1])
     image = _heatmap(steps_axes, _binned_steps(by_step, HEATMAP_STEPS), run.steps, norm, "latency-by-step")
     _heatmap(bucket_axes, by_bucket, by_bucket.shape[1], norm, "latency-by-bucket")
+    shadow_rows, shadow_steps = np.nonzero(run.shadowed[rows])
+    if len(shadow_rows):  # a shadowing rank waits for its peers' work: bright, but not slow
+        steps_axes.scatter(shadow_steps + 0.5, shadow_rows + 0.5, marker="x", s=18, linewidths=0.9, color="white",
+                           gid="latency-shadowed")
     every = max(1, len(rows) // 32)
     ticked = [i for i, row in enumerate(rows) if i % every == 0 or run.ranks[row] == verdict.rank]
     labels = [f"{run.ranks[rows[i]]}{' (straggler)' if run.ranks[rows[i]] == verdict.rank else ''}" for i in ticked]
@@ -203,10 +241,16 @@ def compression_figure(run: Run) -> Figure | None:
     if len(errors.steps):
         error_axes.vlines(errors.steps, errors.low, errors.high, color="C0", alpha=0.35, linewidth=4,
                           label="min-max over ranks and buckets")
-        error_axes.plot(errors.steps, errors.median, marker="o", markersize=3, color="C0", label="median",
-                        gid="relative-error")
-        if (errors.low > 0).all():  # an exact bucket (error 0) would fall off a log scale
+        error_axes.plot(errors.steps, errors.median, marker="o", markersize=5 if len(errors.steps) < 10 else 3,
+                        color="C0", label="median", gid="relative-error")
+        low, high = float(errors.low.min()), float(errors.high.max())
+        if low > 0 and high / low > 10:  # over a decade: log (an exact bucket, error 0, would fall off it)
             error_axes.set_yscale("log")
+            error_axes.yaxis.set_major_locator(LogLocator(numticks=6))
+            error_axes.yaxis.set_minor_formatter(NullFormatter())
+        else:
+            error_axes.yaxis.set_major_locator(MaxNLocator(5))
+            error_axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         error_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
     else:
         error_axes.text(0.5, 0.5, "no sampled step", transform=error_axes.transAxes, ha="center", va="center")
@@ -223,6 +267,7 @@ def compression_figure(run: Run) -> Figure | None:
     count_axes.set_ylabel("non-finite")
     count_axes.set_ylim(0, max(1, int(nonfinite.max())) * 1.15)
     count_axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    count_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     count_axes.set_xlabel("step")
     count_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
     return figure

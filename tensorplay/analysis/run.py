@@ -1,4 +1,9 @@
-"""Turn the spans of a run into the per-rank, per-step and per-bucket arrays the figures draw.
+"""Turn the spans of one model of a run into per-rank, per-step and per-bucket arrays.
+
+A traced hook shared by several DDP models (a GAN's generator and discriminator) counts each
+model's steps on its own (``tensorplay.model``); each model is aggregated apart (:func:`models`,
+``aggregate(spans, model)``), so their latencies and step times never mix. A rank's Join spans
+apply to all of its models.
 
 Everything is aggregated here, once, with numpy: the figures draw arrays whose size is bounded
 by ranks x steps (x buckets), never one artist per span.
@@ -12,8 +17,8 @@ rank trained are those no rank shadowed (shadowed iterations call the hooks too,
 counters of all ranks stay aligned).
 
 A rank's end-of-step waits (what the straggler verdict weighs) are the latencies of each step's
-last bucket, over the steps every rank trained after the first, and the time those steps took on
-its own clock: from the end of the step before the first of them to the end of the last.
+last bucket, over the steps every rank trained after the first, and the time each of those steps
+took on its own clock: from the end of the step before to its own end.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import numpy as np
 
 from tensorplay.analysis.straggler import RankWait
 
-from .spans import HookSpans, JoinSpan, Spans
+from .span_reader import HookSpans, JoinSpan, Spans
 
-__all__ = ["Run", "HookBytes", "SampledErrors", "aggregate"]
+__all__ = ["Run", "HookBytes", "SampledErrors", "models", "aggregate"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +56,10 @@ class SampledErrors:
 
 @dataclass
 class Run:
-    """One run's figures, rows in the order of :attr:`ranks`."""
+    """One model's arrays over a run, rows in the order of :attr:`ranks`."""
 
+    model: int
+    """Which of the traced hook's models (``tensorplay.model``)."""
     ranks: np.ndarray
     """Rank ids, ascending."""
     latency_ms: np.ndarray
@@ -70,13 +77,21 @@ class Run:
     """Of the steps' own work: spans of shadowed iterations are left out."""
     nonfinite: np.ndarray
     """[step] elements compression made non-finite, all ranks."""
+    rank_nonfinite: np.ndarray
+    """[rank] elements compression made non-finite, every step."""
+    rank_wire_bytes: np.ndarray
+    """[rank] bytes the hook sent into collectives, every call (shadowed ones included)."""
+    rank_bucket_bytes: np.ndarray
+    """[rank] bytes DDP handed the hook, every call."""
+    rank_relative_error: np.ndarray
+    """[rank] mean sampled compression error of its own steps' buckets (NaN: none sampled)."""
     bucket_nonfinite: np.ndarray
     """[step] non-finite elements that reached a compressing hook, all ranks."""
     joins: list[JoinSpan]
     start_s: float
     """Unix time of the first span: the origin of the Join figure."""
     duplicates: int
-    """Spans of a (rank, step, bucket) already seen: two runs in the same files?"""
+    """Spans of a (rank, model, step, bucket) already seen: two runs in the same files?"""
 
     @property
     def steps(self) -> int:
@@ -94,20 +109,25 @@ class Run:
     def end_waits(self) -> list[RankWait]:
         """Each rank's end-of-step waits over the steps every rank trained after the first, in rank order.
 
-        Steps are compared from the first such step whose predecessor every rank also trained,
-        so that each rank's time is that of the same steps.
+        A step is compared when every rank also trained the step before, so that each rank's time
+        is that of the same steps.
         """
         counted = self.trained_by_all.copy()
-        counted[0] = False
-        counted[1:] &= self.trained_by_all[:-1]
+        if len(counted):
+            counted[0] = False
+            counted[1:] &= self.trained_by_all[:-1]
         steps = np.flatnonzero(counted)
         if not len(steps) or not self.latency_ms.shape[2]:
-            return [RankWait(int(rank), 0.0, 0, 0.0) for rank in self.ranks]
+            return [RankWait(int(rank), (), ()) for rank in self.ranks]
         last_bucket = np.where(np.isnan(self.latency_ms), -1, np.arange(self.latency_ms.shape[2])).max(axis=2)
         waits = np.take_along_axis(self.latency_ms, np.maximum(last_bucket, 0)[:, :, None], axis=2)[:, :, 0]
-        seconds = self.step_end_s[:, steps[-1]] - self.step_end_s[:, steps[0] - 1]
-        return [RankWait(int(rank), float(np.nansum(waits[row, steps])) / 1e3, len(steps), float(seconds[row]))
+        seconds = self.step_end_s[:, steps] - self.step_end_s[:, steps - 1]
+        return [RankWait(int(rank), tuple((waits[row, steps] / 1e3).tolist()), tuple(seconds[row].tolist()))
                 for row, rank in enumerate(self.ranks)]
+
+    def trained_steps(self) -> np.ndarray:
+        """[rank] steps the rank trained itself (it has a span of the step and did not shadow it)."""
+        return (self.present & ~self.shadowed).sum(axis=1)
 
     def compute_ms_mean(self) -> np.ndarray:
         """[rank] mean compute per observed step (NaN if none was observed)."""
@@ -160,7 +180,7 @@ def _sampled_errors(hooks: HookSpans, shadowing: np.ndarray) -> SampledErrors:
 def _hook_bytes(hooks: HookSpans) -> list[HookBytes]:
     return [HookBytes(name, int(hooks.bucket_bytes[hooks.hook == index].sum()),
                       int(hooks.wire_bytes[hooks.hook == index].sum()))
-            for index, name in enumerate(hooks.hook_names)]
+            for index, name in enumerate(hooks.hook_names) if (hooks.hook == index).any()]
 
 
 def _shadowed(first_call_s: np.ndarray, rows: np.ndarray, joins: list[JoinSpan]) -> np.ndarray:
@@ -171,9 +191,26 @@ def _shadowed(first_call_s: np.ndarray, rows: np.ndarray, joins: list[JoinSpan])
     return shadowed
 
 
-def aggregate(spans: Spans) -> Run:
-    """Aggregate ``spans`` into a :class:`Run`."""
-    hooks, joins = spans.hooks, spans.joins
+def models(spans: Spans) -> list[int]:
+    """The traced hook's models the spans hold (``tensorplay.model``), ascending; [0] when none."""
+    return sorted(set(np.unique(spans.hooks.model).tolist())) or [0]
+
+
+def _per_rank(values: np.ndarray, row: np.ndarray, ranks: int) -> np.ndarray:
+    return np.bincount(row, weights=values, minlength=ranks).astype(np.int64)
+
+
+def _rank_errors(row: np.ndarray, errors: np.ndarray, ranks: int) -> np.ndarray:
+    sampled = ~np.isnan(errors)
+    counts = np.bincount(row[sampled], minlength=ranks)
+    sums = np.bincount(row[sampled], weights=errors[sampled], minlength=ranks)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def aggregate(spans: Spans, model: int = 0) -> Run:
+    """Aggregate the spans of ``model`` (and every Join span) into a :class:`Run`."""
+    hooks, joins = _of_model(spans.hooks, model), spans.joins
     ranks = np.union1d(np.unique(hooks.rank), np.array([join.rank for join in joins], dtype=np.int64))
     steps = int(hooks.step.max()) + 1 if len(hooks) else 0
     buckets = int(hooks.bucket.max()) + 1 if len(hooks) else 0
@@ -197,8 +234,10 @@ def aggregate(spans: Spans) -> Run:
         gaps = (first_call[:, 1:] - last_end[:, :-1]) * 1e3
         compute[:, 1:] = np.where(observed, gaps, np.nan)
 
+    shadowing = shadowed[row, hooks.step]
     starts = np.concatenate([hooks.start_s, [join.start_s for join in joins]])
     return Run(
+        model=model,
         ranks=ranks,
         latency_ms=latency,
         compute_ms=compute,
@@ -206,10 +245,23 @@ def aggregate(spans: Spans) -> Run:
         present=present,
         step_end_s=last_end,
         hook_bytes=_hook_bytes(hooks),
-        errors=_sampled_errors(hooks, shadowed[row, hooks.step]),
+        errors=_sampled_errors(hooks, shadowing),
         nonfinite=np.bincount(hooks.step, weights=hooks.nonfinite, minlength=steps).astype(np.int64),
+        rank_nonfinite=_per_rank(hooks.nonfinite, row, len(ranks)),
+        rank_wire_bytes=_per_rank(hooks.wire_bytes, row, len(ranks)),
+        rank_bucket_bytes=_per_rank(hooks.bucket_bytes, row, len(ranks)),
+        rank_relative_error=_rank_errors(row, np.where(shadowing, np.nan, hooks.relative_error), len(ranks)),
         bucket_nonfinite=np.bincount(hooks.step, weights=hooks.bucket_nonfinite, minlength=steps).astype(np.int64),
         joins=sorted(joins, key=lambda join: (join.rank, join.start_s)),
-        start_s=float(starts.min()),
+        start_s=float(starts.min()) if len(starts) else 0.0,
         duplicates=duplicates,
     )
+
+
+def _of_model(hooks: HookSpans, model: int) -> HookSpans:
+    """The spans of one model (every span when they all belong to it, without a copy)."""
+    mine = hooks.model == model
+    if mine.all():
+        return hooks
+    columns = {name: value[mine] for name, value in vars(hooks).items() if isinstance(value, np.ndarray)}
+    return HookSpans(**columns, hook_names=hooks.hook_names)

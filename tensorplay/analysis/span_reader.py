@@ -1,4 +1,7 @@
-"""Read tensorplay's spans from JSON-lines files into compact columns, saying what could not be read.
+"""The one reader of tensorplay's span files: compact columns keyed by rank, model, step and bucket.
+
+Every figure derived from a run (:mod:`tensorplay.analysis`), the demo's table, ``tensorplay report``
+and the tests read spans through it.
 
 The files are what :class:`tensorplay.telemetry.tracing.JsonLinesSpanExporter` writes: one
 OpenTelemetry span per line (``ReadableSpan.to_json``), from any number of ranks, in any number
@@ -29,7 +32,7 @@ except ImportError:  # pragma: no cover - the standard library parses the same l
 
 from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr
 
-__all__ = ["HookSpans", "JoinSpan", "Spans", "NoSpans", "span_files", "read_spans", "PARALLEL_BYTES"]
+__all__ = ["HookSpans", "JoinSpan", "Spans", "NoSpans", "span_files", "read_spans", "merge_spans", "PARALLEL_BYTES"]
 
 PARALLEL_BYTES = 64 * 2**20
 """Runs with at least this much JSON are read by one process per core."""
@@ -51,7 +54,10 @@ class HookSpans:
     """Every ``tensorplay.comm_hook`` span, one array element each; times in unix seconds."""
 
     rank: np.ndarray
+    model: np.ndarray
+    """Which of the traced hook's DDP models (``tensorplay.model``: 0, 1, ...) the bucket belongs to."""
     step: np.ndarray
+    """The step of that model (each model counts its own)."""
     bucket: np.ndarray
     start_s: np.ndarray
     end_s: np.ndarray
@@ -130,11 +136,11 @@ class _Clock:
 
 
 # The hook span's attributes as module constants: they are looked up 640,000 times in a large run.
-_HOOK, _RANK, _STEP, _BUCKET = Attr.HOOK, Attr.RANK, Attr.STEP, Attr.BUCKET_INDEX
+_HOOK, _RANK, _MODEL, _STEP, _BUCKET = Attr.HOOK, Attr.RANK, Attr.MODEL, Attr.STEP, Attr.BUCKET_INDEX
 _BYTES, _WIRE_BYTES, _NONFINITE, _BUCKET_NONFINITE = (Attr.BUCKET_BYTES, Attr.BUCKET_WIRE_BYTES,
                                                       Attr.COMPRESSION_NONFINITE, Attr.BUCKET_NONFINITE)
 _LATENCY, _ERROR, _NAN = Attr.ALLREDUCE_LATENCY_MS, Attr.COMPRESSION_RELATIVE_ERROR, float("nan")
-_INT_COLUMNS = ("rank", "step", "bucket", "bucket_bytes", "wire_bytes", "nonfinite", "bucket_nonfinite", "hook")
+_INT_COLUMNS = ("rank", "model", "step", "bucket", "bucket_bytes", "wire_bytes", "nonfinite", "bucket_nonfinite", "hook")
 _FLOAT_COLUMNS = ("start_s", "end_s", "latency_ms", "relative_error")
 
 
@@ -196,7 +202,7 @@ class _FileReader:
     def _add_hook(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
         """Append one row; every value is converted (and so checked) before either array grows."""
         hook, hooks, clock = attributes[_HOOK], self._hooks, self._clock.unix_seconds
-        ints = array("q", (attributes[_RANK], attributes[_STEP], attributes[_BUCKET], attributes[_BYTES],
+        ints = array("q", (attributes[_RANK], attributes.get(_MODEL, 0), attributes[_STEP], attributes[_BUCKET], attributes[_BYTES],
                            attributes[_WIRE_BYTES], attributes[_NONFINITE], attributes.get(_BUCKET_NONFINITE, 0),
                            hooks.get(hook, len(hooks))))
         floats = array("d", (clock(span["start_time"]), clock(span["end_time"]), attributes[_LATENCY],
@@ -320,3 +326,12 @@ def read_spans(source: Path) -> Spans:
         raise NoSpans("; ".join(problems) if problems else
                       f"no tensorplay spans in {', '.join(str(path) for path in files)}")
     return Spans(hooks, joins, files, problems)
+
+
+def merge_spans(parts: list[Spans]) -> Spans:
+    """One :class:`Spans` from several reads (each rank's own file, gathered over the process group)."""
+    as_rows = [_FileSpans(np.stack([getattr(part.hooks, name) for name in _INT_COLUMNS], axis=1),
+                          np.stack([getattr(part.hooks, name) for name in _FLOAT_COLUMNS], axis=1),
+                          part.hooks.hook_names, part.joins, part.problems) for part in parts]
+    return Spans(_merge(as_rows), [join for part in parts for join in part.joins],
+                 [path for part in parts for path in part.files], [p for part in parts for p in part.problems])

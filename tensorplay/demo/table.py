@@ -1,0 +1,72 @@
+"""The demo's end-of-run text: the per-rank table, the straggler verdict and what explains it.
+
+Every figure is :func:`tensorplay.analysis.summary.summarize`'s, from the spans tensorplay
+exported (the same derivation ``tensorplay report`` draws): allreduce latency, bytes,
+compression error, non-finite counts, compute per step, the end-of-step waits and the straggler
+verdict (the rule of the ``TensorplayStragglerRank`` alert), the Join figures. This module only
+lays them out, with what the demo itself knows: what it injected and where the metrics were.
+
+Each rank reads its own span file and rank 0 gathers them over the process group
+(:mod:`tensorplay.demo.train`), so the table needs no filesystem shared between nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorplay.analysis.summary import ModelSummary
+from tensorplay.analysis.table import COLUMNS, rank_rows
+from tensorplay.telemetry import DEFAULT_ERROR_EVERY
+
+from .rundir import RunDir
+
+__all__ = ["RankFacts", "render"]
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What the demo did to one rank, which no span says."""
+
+    rank: int
+    injected: str | None
+    """The straggler the demo made of it, in words (None: none)."""
+    metrics_url: str | None
+
+
+def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: RunDir, nodes: int = 1) -> str:
+    """The report as text: the per-rank table, the straggler verdict and what explains it.
+
+    ``run_dir`` is rank 0's; on several ``nodes`` each node's run dir holds its own ranks' files.
+    """
+    verdict = summary.verdict
+    rows = [COLUMNS, *rank_rows(summary)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    table = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    on_nodes = f" on {nodes} nodes" if nodes > 1 else ""
+    lines = [f"tensorplay demo: {len(facts)} ranks{on_nodes}, hook traced({hook})", "", *table, "",
+             f"straggler: {verdict.evidence}"]
+    injected = [f for f in facts if f.injected]
+    for f in injected:
+        found = "found" if f.rank in verdict.ranks else "NOT found"
+        lines.append(f"injected: rank {f.rank} {f.injected} ({found})")
+    if not injected:
+        lines.append("injected: none")
+    shadowing = [r for r in summary.ranks if r.shadowed]
+    if shadowing:
+        lines.append("uneven inputs: " + ", ".join(f"rank {r.rank} shadowed {r.shadowed}" for r in shadowing)
+                     + " iterations inside Join (uneven inputs, not stragglers: shadowing is not compute)")
+    urls = [f.metrics_url for f in facts if f.metrics_url]
+    lines += ["",
+              "allreduce p50: median per bucket over the steps every rank trained;  "
+              "wire sent / handed over: every hook call, shadowed iterations included",
+              f"rel. error: mean ||x - x^|| / ||x|| of the sampled buckets (every {DEFAULT_ERROR_EVERY}th step by default);  "
+              "compute mean: as tensorplay_step_compute_seconds, this rank's own work per iteration",
+              "end wait: mean wait in each step's last collective (tensorplay_step_wait_seconds_total);  "
+              "costs the job: the share of every step its peers wait for it there (what the straggler verdict "
+              "and TensorplayStragglerRank weigh);  latest on: steps at which it arrived last;  "
+              "median late: its lateness at the median step (a straggler is late on most steps, not a few)",
+              f"spans: {run_dir.path}/spans-rank*.jsonl"
+              + (" on each node, its own ranks' (copy them into one directory for tensorplay report)" if nodes > 1 else ""),
+              "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")
+              + " (--linger-s keeps them up after training)"]
+    return "\n".join(lines)
