@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -21,21 +22,31 @@ import numpy as np
 import pytest
 
 import tensorplay.report
+from tensorplay.analysis.span_reader import read_spans
 from tensorplay.analysis.straggler import SHARE_THRESHOLD
+from tensorplay.analysis.summary import ModelSummary, summarize
 from tensorplay.cli import main
 from tensorplay.report import build_report
+from tensorplay.report.build import ModelReport, Report
 from tensorplay.report.cli import demo_report_line
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 from tensorplay.telemetry.names import HOOK_SPAN_NAME, Attr
 
 from .chromium import chromium_path, visit
 from .demo_runs import Demo
+from .ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _results(demo: Demo) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(demo.run_dir.glob("result-rank*.json"))]
+
+
+def _only_model(report: Report) -> ModelReport:
+    """The report's one model (the demo trains one)."""
+    assert [part.summary.model for part in report.models] == [0]
+    return report.models[0]
 
 
 def _artists(figure, gid: str) -> list:
@@ -70,41 +81,50 @@ def test_straggler_line_is_highest_and_verdict_is_the_demos(two_ranks_straggler:
     demo = two_ranks_straggler
     page = _demo_page(demo).read_text()
     report = build_report(demo.run_dir)
-    means = _compute_means(report.figures["compute"], [0, 1])
+    part = _only_model(report)
+    means = _compute_means(part.figures["compute"], [0, 1])
     assert means[1] == max(means.values()) and means[1] > 1.5 * means[0], means
-    assert _artist(report.figures["compute"], "compute-rank1").get_label() == "rank 1 (straggler)"
+    assert _artist(part.figures["compute"], "compute-rank1").get_label() == "rank 1 (straggler)"
     # The same rule as the demo's text report, on the same end-of-step waits: the same words.
-    assert report.verdict.rank == 1 and demo.verdict() == f"straggler: {report.verdict.evidence}"
-    assert report.verdict.share >= SHARE_THRESHOLD
-    assert f"<strong>straggler:</strong> {html.escape(report.verdict.evidence)}" in page
+    assert part.verdict.rank == 1 and demo.verdict() == f"straggler: {part.verdict.evidence}"
+    assert part.verdict.share >= SHARE_THRESHOLD
+    assert f"<strong>straggler:</strong> {html.escape(part.verdict.evidence)}" in page
     # The metric the demo reads and the span-derived compute agree.
-    for result, timing in zip(_results(demo), report.run.compute_ms_mean()):
+    for result, timing in zip(_results(demo), part.run.compute_ms_mean()):
         metric_ms = 1e3 * result["compute_seconds_sum"] / result["compute_seconds_count"]
         assert abs(timing - metric_ms) < max(3.0, 0.15 * metric_ms), (timing, metric_ms)
     # It waits least in every allreduce: its heatmap row is the darkest.
-    cells = _artist(report.figures["latency"], "latency-by-step").get_array()
+    cells = _artist(part.figures["latency"], "latency-by-step").get_array()
     assert cells[1].mean() < cells[0].mean()
     # allreduce_hook sends what it is handed; nothing to say about compression; no Join.
-    handed = _artist(report.figures["bytes"], "bytes-handed").get_width()
-    wire = _artist(report.figures["bytes"], "bytes-wire").get_width()
+    handed = _artist(part.figures["bytes"], "bytes-handed").get_width()
+    wire = _artist(part.figures["bytes"], "bytes-wire").get_width()
     assert handed == wire > 0
-    assert report.figures["compression"] is None and report.figures["join"] is None
+    assert part.figures["compression"] is None and part.figures["join"] is None
     assert "no sampled compression error" in page and "No Join in this run" in page
 
 
 def test_uneven_straggler_shadowed_steps_are_marked(three_ranks_uneven_straggler: Demo) -> None:
     demo = three_ranks_uneven_straggler
     report = build_report(demo.run_dir)
+    part = _only_model(report)
     batches = [result["batches"] for result in _results(demo)]
-    figure = report.figures["compute"]
+    figure = part.figures["compute"]
     for rank, trained in enumerate(batches):
         assert _shadowed_steps(figure, rank) == list(range(trained, max(batches))), rank
         drawn = _artist(figure, f"compute-rank{rank}").get_ydata()
         assert np.isnan(drawn[trained:]).all()  # shadowed: no compute drawn
     means = _compute_means(figure, [0, 1, 2])
     assert means[2] == max(means.values()), means
-    assert report.verdict.rank == 2 and demo.verdict() == f"straggler: {report.verdict.evidence}"
-    shadow_bars = [bar.get_width() for bar in _artists(report.figures["join"], "shadow-iterations")]
+    # Every point of every line lies inside the axes: none clipped at the top.
+    drawn = np.concatenate([_artist(figure, f"compute-rank{rank}").get_ydata() for rank in range(3)])
+    assert np.nanmax(drawn) < figure.axes[0].get_ylim()[1]
+    # The heatmap marks each step a rank shadowed (its latency is its peers' work, not its slowness).
+    marks = _artist(part.figures["latency"], "latency-shadowed").get_offsets()
+    assert sorted((int(y), int(x)) for x, y in marks) == [
+        (rank, step) for rank, trained in enumerate(batches) for step in range(trained, max(batches))]
+    assert part.verdict.rank == 2 and demo.verdict() == f"straggler: {part.verdict.evidence}"
+    shadow_bars = [bar.get_width() for bar in _artists(part.figures["join"], "shadow-iterations")]
     assert shadow_bars == [float(row["shadowed"]) for row in demo.table()]
 
 
@@ -112,18 +132,19 @@ def test_uneven_inputs_marked_and_no_straggler(three_ranks_uneven: Demo) -> None
     demo = three_ranks_uneven
     page = _demo_page(demo).read_text()
     report = build_report(demo.run_dir)
+    part = _only_model(report)
     batches = [result["batches"] for result in _results(demo)]
     for rank, trained in enumerate(batches):
-        assert _shadowed_steps(report.figures["compute"], rank) == list(range(trained, max(batches)))
-    assert report.verdict.rank is None and demo.verdict() == f"straggler: {report.verdict.evidence}"
+        assert _shadowed_steps(part.figures["compute"], rank) == list(range(trained, max(batches)))
+    assert part.verdict.rank is None and demo.verdict() == f"straggler: {part.verdict.evidence}"
     assert demo.verdict().startswith("straggler: none")
     assert 'class="verdict none"' in page and "(straggler)" not in page
     for rank in range(3):  # each rank's time line ends when all had joined
-        training = _artist(report.figures["join"], f"training-rank{rank}")
-        joined = _artist(report.figures["join"], f"join-rank{rank}")
+        training = _artist(part.figures["join"], f"training-rank{rank}")
+        joined = _artist(part.figures["join"], f"join-rank{rank}")
         assert 0 < joined.get_x() < training.get_width()  # ran out of inputs after its own steps
         assert joined.get_x() + joined.get_width() == pytest.approx(training.get_width())  # then waited, to the end
-    ends = [_artist(report.figures["join"], f"join-rank{rank}") for rank in range(3)]
+    ends = [_artist(part.figures["join"], f"join-rank{rank}") for rank in range(3)]
     assert max(e.get_x() + e.get_width() for e in ends) - min(e.get_x() + e.get_width() for e in ends) < 0.5
 
 
@@ -131,15 +152,134 @@ def test_fp16_error_at_sampled_steps_and_half_the_bytes(two_ranks: Demo) -> None
     demo = two_ranks
     _demo_page(demo)
     report = build_report(demo.run_dir)
-    error = _artist(report.figures["compression"], "relative-error")
+    part = _only_model(report)
+    error = _artist(part.figures["compression"], "relative-error")
     assert list(error.get_xdata()) == list(range(0, 12, DEFAULT_ERROR_EVERY))
     # fp16 rounds twice (cast, then divide): at most 2 x 2^-11 relative error, and never exact.
     assert all(0 < value <= 2**-10 for value in error.get_ydata())
-    counts, edges, _ = _artist(report.figures["compression"], "nonfinite").get_data()
+    # A handful of distinct, labelled ticks inside the view (not nine crowded log ticks on a narrow range).
+    axes = part.figures["compression"].axes[0]
+    low, high = axes.get_ylim()
+    ticks = [tick for tick in axes.get_yticks() if low <= tick <= high]
+    part.figures["compression"].canvas.draw()
+    labels = [label.get_text() for label in axes.get_yticklabels() if low <= label.get_position()[1] <= high]
+    assert 2 <= len(ticks) <= 6 and len(set(labels)) == len(labels) and all(labels), (ticks, labels)
+    counts, edges, _ = _artist(part.figures["compression"], "nonfinite").get_data()
     assert len(counts) == 12 and not counts.any()
-    handed = _artist(report.figures["bytes"], "bytes-handed").get_width()
-    wire = _artist(report.figures["bytes"], "bytes-wire").get_width()
+    handed = _artist(part.figures["bytes"], "bytes-handed").get_width()
+    wire = _artist(part.figures["bytes"], "bytes-wire").get_width()
     assert wire == handed / 2
+
+
+def _cells(text: str) -> float:
+    """The number a table cell shows ("12.34 ms", "21 %", "7")."""
+    return float(text.split()[0])
+
+
+def _page_table(page: str) -> list[dict[str, str]]:
+    """The page's per-rank table, by column name."""
+    table = re.search(r'<table class="ranks"[^>]*>(.*?)</table>', page).group(1)
+    rows = [[html.unescape(cell) for cell in re.findall(r"<t[hd]>(.*?)</t[hd]>", row)]
+            for row in re.findall(r"<tr>(.*?)</tr>", table)]
+    return [dict(zip(rows[0], row)) for row in rows[1:]]
+
+
+def _assert_shows(rows: list[dict[str, str]], summary: ModelSummary) -> None:
+    """Each rendered figure is the analysis' figure, to the digits shown."""
+    assert [int(row["rank"]) for row in rows] == [r.rank for r in summary.ranks]
+    for row, r in zip(rows, summary.ranks):
+        late = r.lateness
+        assert int(row["steps"]) == r.steps and row["shadowed"] == ("-" if r.shadowed is None else str(r.shadowed))
+        assert _cells(row["allreduce p50"]) == pytest.approx(r.latency_ms_p50, abs=0.0051)
+        assert _cells(row["compute mean"]) == pytest.approx(r.compute_ms_mean, abs=0.051)
+        assert _cells(row["end wait"]) == pytest.approx(r.end_wait_ms, abs=0.051)
+        assert _cells(row["costs the job"]) == pytest.approx(100 * max(late.share, 0.0), abs=0.51)
+        assert row["latest on"] == f"{late.latest_steps}/{late.steps}"
+        assert _cells(row["median late"]) == pytest.approx(1e3 * max(late.median_s, 0.0), abs=0.051)
+        assert _cells(row["join wait"]) == pytest.approx(r.join_wait_ms, abs=0.51)
+        assert row["last joiner"] == ("yes" if r.last_joiner else "no")
+
+
+def test_the_demo_table_and_the_page_show_the_analysis_figure_for_figure(
+        three_ranks_uneven_straggler: Demo, tmp_path: Path, capsys) -> None:
+    demo = three_ranks_uneven_straggler
+    (summary,) = summarize(read_spans(demo.run_dir))  # the one derivation, straight from the run's files
+    assert summary.verdict.rank == 2 and all(r.shadowed is not None for r in summary.ranks)
+    page = _demo_page(demo).read_text()
+    _assert_shows(demo.table(), summary)
+    _assert_shows(_page_table(page), summary)
+    assert demo.verdict() == f"straggler: {summary.verdict.evidence}"
+    assert f"<strong>straggler:</strong> {html.escape(summary.verdict.evidence)}" in page
+    # The Join figures of the page are the same numbers again.
+    shadow_bars = [bar.get_width() for bar in _artists(build_report(demo.run_dir).models[0].figures["join"],
+                                                       "shadow-iterations")]
+    assert shadow_bars == [float(r.shadowed) for r in summary.ranks]
+
+
+def test_the_command_prints_the_verdict_line(two_ranks_straggler: Demo, tmp_path: Path, capsys) -> None:
+    code, out, _ = _run_report(capsys, str(two_ranks_straggler.run_dir), "--out", str(tmp_path / "page.html"))
+    assert code == 0
+    assert out.splitlines() == [two_ranks_straggler.verdict(), f"report: {tmp_path / 'page.html'}"]
+
+
+def test_the_cost_share_is_drawn_per_rank(two_ranks_straggler: Demo) -> None:
+    part = _only_model(build_report(two_ranks_straggler.run_dir))
+    figure = part.figures["cost"]
+    for r in part.summary.ranks:
+        bar = _artist(figure, f"cost-rank{r.rank}")
+        assert bar.get_width() == pytest.approx(100 * max(r.lateness.share, 0.0))
+        assert (bar.get_facecolor()[0] > 0.8) == (r.rank == part.verdict.rank)  # the straggler's bar is red
+    medians = sorted(x for x, _ in _artist(figure, "cost-median").get_offsets())
+    assert medians == pytest.approx(sorted(100 * max(r.lateness.median_share, 0.0) for r in part.summary.ranks))
+
+
+GAN_STEPS = 4
+
+
+def _gan(rank: int, world_size: int, span_dir: str) -> None:
+    """One traced hook on a GAN's two DDP models, one step of each per iteration, spans to a file."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tensorplay import traced
+    from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from tensorplay.telemetry import configure_tracing, flush
+
+    provider = configure_tracing(span_file=f"{span_dir}/spans-rank{rank}.jsonl", otlp=False)
+    torch.manual_seed(0)
+    generator = DDP(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16)))
+    discriminator = DDP(nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.Linear(512, 1)))
+    hook = traced(default_hooks.allreduce_hook)
+    generator.register_comm_hook(None, hook)
+    discriminator.register_comm_hook(None, hook)
+    for _ in range(GAN_STEPS):
+        generator(torch.randn(4, 8)).square().mean().backward()
+        discriminator(torch.randn(4, 16)).square().mean().backward()
+    flush(30)
+    provider.force_flush()
+
+
+def test_one_hook_on_two_models_is_reported_per_model(tmp_path: Path, capsys) -> None:
+    run_ranks(_gan, 2, str(tmp_path))
+    code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
+    assert code == 0 and "more than one run" not in err, err
+    assert [line.split(":")[0] for line in out.splitlines()] == [
+        "straggler (model 0)", "straggler (model 1)", "report"]
+    spans = read_spans(tmp_path)
+    report = build_report(tmp_path)
+    assert [part.summary.model for part in report.models] == [0, 1] and not report.problems
+    for part in report.models:
+        run = part.run
+        assert run.steps == GAN_STEPS and run.duplicates == 0 and list(run.trained_steps()) == [GAN_STEPS] * 2
+        for row, rank in enumerate(run.ranks):  # each model's p50 is of its own spans only
+            mine = (spans.hooks.model == part.summary.model) & (spans.hooks.rank == rank)
+            assert part.summary.ranks[row].latency_ms_p50 == pytest.approx(np.median(spans.hooks.latency_ms[mine]))
+            assert part.summary.ranks[row].bucket_bytes == spans.hooks.bucket_bytes[mine].sum()
+    # The discriminator's buckets are the bigger ones: the models' bytes were not merged.
+    assert report.models[1].summary.ranks[0].bucket_bytes > 10 * report.models[0].summary.ranks[0].bucket_bytes
+    page = (tmp_path / "page.html").read_text()
+    assert 'id="model0-verdict"' in page and 'id="model1-verdict"' in page and page.count('class="ranks"') == 2
 
 
 def _run_report(capsys, *args: str) -> tuple[int, str, str]:
@@ -178,10 +318,10 @@ def test_truncated_and_unknown_spans_are_named_and_the_rest_drawn(
     assert f"spans-rank1.jsonl: line {len(content.splitlines())}: the last line is truncated" in err
     assert "spans-rank0.jsonl: 2 lines: spans of an unknown version, the first line 6" in err
     assert f"without an integer in {Attr.STEP}" in err
-    assert out.strip() == f"report: {tmp_path / 'page.html'}"
+    assert out.strip().splitlines()[-1] == f"report: {tmp_path / 'page.html'}"
     page = (tmp_path / "page.html").read_text()
     assert "Input that could not be read" in page and "the last line is truncated" in page
-    assert page.count("<img ") == 3  # compute, latency, bytes: all the run has, still drawn
+    assert page.count("<img ") == 4  # cost, compute, latency, bytes: all the run has, still drawn
     assert "straggler:</strong> rank 1 " in page
 
 
@@ -207,7 +347,7 @@ def test_page_renders_in_headless_chromium(three_ranks_uneven_straggler: Demo, t
     assert seen.errors == []
     assert seen.requests[0] == page.as_uri()
     assert all(url.startswith("data:image/png;base64,") for url in seen.requests[1:])  # self-contained
-    assert len(seen.images) == 5
+    assert len(seen.images) == 6
     for image in seen.images:
         assert image["complete"] and image["width"] > 0 and image["height"] > 0 and image["shown"] > 0, image
     (tmp_path / "report.png").write_bytes(seen.screenshot)
