@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from tensorplay.report import plots  # noqa: F401  (matplotlib is loaded before anything is timed)
 from tensorplay.report.build import render_html, report_from_spans
-from tensorplay.report.spans import read_spans
+from tensorplay.analysis.span_reader import read_spans
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, TRACER_NAME, Attr
 from tensorplay.telemetry.tracing import JsonLinesSpanExporter

@@ -1,4 +1,5 @@
-"""The demo's per-rank state file: written by two threads of a rank, read by the launcher's hang watch.
+"""The demo's per-rank state file: written by two threads of a rank, read by the launcher's hang watch,
+and the attribution of a hang from the ranks' states (tensorplay.analysis.hang).
 
 The race is forced as it was found: the writer thread rewrites the file with no pause while the
 training thread writes its final state, a hundred times over, and a strict reader (json.loads on
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tensorplay.analysis.hang import attribute_hang
 from tensorplay.demo import hang
 from tensorplay.demo.hang import HangWatch, RankStateWriter
 from tensorplay.demo.rundir import RunDir
@@ -78,3 +80,18 @@ def test_the_hang_watch_rides_over_a_torn_state_file(tmp_path: Path) -> None:
         ended_once_all_finished = not watch._thread.is_alive()
     assert alive_over_torn_file
     assert ended_once_all_finished and watch.report is None
+
+
+def _state(rank: int, finished: bool = False, waiting_step: int | None = None) -> dict:
+    waiting = None if waiting_step is None else {"since_unix": 1.0, "step": waiting_step, "bucket": 0}
+    return {"rank": rank, "finished": finished, "waiting": waiting, "steps_done": 3, "activity_unix": 1.0}
+
+
+def test_the_hang_is_attributed_as_the_alerts_do() -> None:
+    # TensorplayRankStalled: ranks in no collective while others wait never arrived; finished ranks wait for no one.
+    never_arrived, waiting = attribute_hang([_state(2, waiting_step=5), _state(0, finished=True), _state(1),
+                                             _state(3, waiting_step=5)])
+    assert [s["rank"] for s in never_arrived] == [1] and [s["rank"] for s in waiting] == [2, 3]
+    # TensorplayJobHung: every unfinished rank waits inside a collective: nobody to blame.
+    never_arrived, waiting = attribute_hang([_state(1, waiting_step=4), _state(0, waiting_step=4)])
+    assert never_arrived == [] and [s["rank"] for s in waiting] == [0, 1]

@@ -56,8 +56,9 @@ p.note { color: #666; font-style: italic; }
 .problems { border-left: 4px solid #ff7f0e; padding: 0.4em 0.8em; background: #fff7ef; }
 img { max-width: 100%; height: auto; display: block; }
 code { font-size: 0.95em; }
-table.ranks { border-collapse: collapse; font-size: 0.85em; margin: 0.8em 0; }
-table.ranks th, table.ranks td { padding: 0.15em 0.6em; text-align: right; border-bottom: 1px solid #ddd; }
+table.ranks { border-collapse: collapse; font-size: 0.7em; margin: 0.8em 0; }
+table.ranks th, table.ranks td { padding: 0.15em 0.3em; text-align: right; border-bottom: 1px solid #ddd;
+                                white-space: nowrap; }
 """
 
 
