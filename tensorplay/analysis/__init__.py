@@ -1,1 +1,9 @@
-"""Analyses shared by the demo's report, ``tensorplay report`` and the alert rules' documentation."""
+"""Every figure derived from a run, once: the demo's table, ``tensorplay report`` and the tests render these.
+
+:mod:`.span_reader` reads span files (keyed by rank, model, step, bucket); :mod:`.run` aggregates
+one model's spans into arrays; :mod:`.summary` derives the per-rank figures (end waits, lateness,
+latency percentiles, compute, bytes, compression, Join) and the verdict of :mod:`.straggler`, the
+``TensorplayStragglerRank`` rule; :mod:`.table` words them as table cells; :mod:`.hang` attributes
+a hang as ``TensorplayRankStalled`` / ``TensorplayJobHung`` do. Nothing here imports torch, the
+OpenTelemetry SDK or prometheus_client.
+"""
