@@ -1,31 +1,39 @@
 """Run ``tensorplay demo`` as a user does, and the demo runs several test modules share.
 
-:func:`run_demo` runs ``python -m tensorplay demo ...`` in a subprocess to completion, scraping
-the ranks' metrics endpoints meanwhile. Each configuration the tests need is one session-scoped
-fixture (registered in ``conftest.py``), so ``test_demo.py`` and ``test_report.py`` check the
-same run instead of paying for two.
+:func:`start_demo` starts ``python -m tensorplay demo ...`` in a subprocess, its ranks serving
+metrics on free ports of 127.0.0.1, and returns a :class:`DemoProcess` to wait on, read the run
+directory of (:class:`~tensorplay.demo.rundir.RunDir`) and stop. :func:`run_demo` runs one to
+completion, scraping the ranks' metrics endpoints meanwhile. Each configuration the tests need is
+one session-scoped fixture (registered in ``conftest.py``), so ``test_demo.py`` and
+``test_report.py`` check the same run instead of paying for two.
 """
 
 from __future__ import annotations
 
 import http.client
 import re
+import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import pytest
 
+from tensorplay.demo.rundir import RunDir
+
 from .ranks import free_base_port
+from .waiting import wait_until
 
-__all__ = ["Demo", "run_demo", "scrape", "has_sample", "two_ranks", "two_ranks_straggler",
-           "three_ranks_uneven_straggler", "three_ranks_uneven"]
+__all__ = ["Demo", "DemoProcess", "start_demo", "run_demo", "scrape", "has_sample", "two_ranks",
+           "two_ranks_straggler", "three_ranks_uneven_straggler", "three_ranks_uneven"]
 
-LINGER_S = "1.0"  # the ranks keep serving metrics this long after training: time for a last scrape
+LINGER_S = 1.0  # the ranks keep serving metrics this long after training: time for a last scrape
+RUN_TIMEOUT_S = 100.0
+T = TypeVar("T")
 
 
 def scrape(port: int) -> str | None:
@@ -77,29 +85,95 @@ class Demo:
         return next(line for line in self.stdout.splitlines() if line.startswith("straggler: "))
 
 
-def _watch_metrics(process: subprocess.Popen, base_port: int, world_size: int, scraped: dict[int, str]) -> None:
+@dataclass
+class DemoProcess:
+    """A ``tensorplay demo`` started by :func:`start_demo`: its process, run dir, base port and output files."""
+
+    process: subprocess.Popen
+    run_dir: RunDir
+    port: int
+    world_size: int
+    stdout_path: Path
+    stderr_path: Path
+
+    def output(self) -> str:
+        """What the demo printed so far, stdout then stderr."""
+        return self.stdout_path.read_text() + self.stderr_path.read_text()
+
+    def exited(self) -> str | None:
+        """Why waiting on the running demo is pointless (it exited), else None."""
+        if self.process.poll() is None:
+            return None
+        return f"the demo exited ({self.process.returncode})"
+
+    def wait_for(self, what: str, predicate: Callable[[], T], timeout: float) -> T:
+        """Poll ``predicate`` until truthy; fail with the demo's output on timeout or once the demo exited."""
+        return wait_until(predicate, timeout, what, gave_up=self.exited, details=self.output)
+
+    def results_written(self) -> bool:
+        """Whether every rank wrote its result file (after training and flushing its telemetry)."""
+        return all(self.run_dir.result(rank).exists() for rank in range(self.world_size))
+
+    def finish(self, timeout: float = RUN_TIMEOUT_S) -> "Demo":
+        """Wait for the demo to exit and return what it did; a demo still running then is stopped."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"the demo did not exit in {timeout:.0f} s:\n{self.output()}")
+        return Demo(self.process.returncode, self.stdout_path.read_text(), self.stderr_path.read_text(),
+                    self.run_dir.path)
+
+    def stop(self) -> None:
+        """Stop a demo still running (a failed check): Ctrl-C makes the elastic agent stop every rank."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def start_demo(tmp_path: Path, world_size: int, *flags: str, linger_s: float = LINGER_S,
+               port: int | None = None) -> DemoProcess:
+    """Start ``python -m tensorplay demo`` with its run dir and output files under ``tmp_path``.
+
+    Its ranks serve metrics from base port ``port`` (default: free ports found now).
+    """
+    port = free_base_port(world_size) if port is None else port
+    run_dir = RunDir(tmp_path / "run")
+    stdout_path, stderr_path = tmp_path / "demo.stdout", tmp_path / "demo.stderr"
+    command = [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size),
+               "--metrics-port", str(port), "--linger-s", repr(linger_s), "--run-dir", str(run_dir.path), *flags]
+    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True)
+    return DemoProcess(process, run_dir, port, world_size, stdout_path, stderr_path)
+
+
+def _watch_metrics(demo: DemoProcess, scraped: dict[int, str]) -> None:
     """Scrape every rank's endpoint while the demo runs, until each served its rank's hook samples."""
-    while process.poll() is None and len(scraped) < world_size:
-        for rank in range(world_size):
-            body = scrape(base_port + rank)
+
+    def scrape_ranks() -> bool:
+        for rank in range(demo.world_size):
+            body = scrape(demo.port + rank)
             if body and has_sample(body, "tensorplay_allreduce_latency_seconds_count", rank=str(rank)):
                 scraped[rank] = body
-        time.sleep(0.2)
+        return len(scraped) == demo.world_size or demo.process.poll() is not None
+
+    wait_until(scrape_ranks, RUN_TIMEOUT_S, "every rank's hook samples")
 
 
 def run_demo(tmp_path: Path, world_size: int, *flags: str) -> Demo:
     """Run ``python -m tensorplay demo`` to completion, scraping the ranks' metrics meanwhile."""
-    port = free_base_port(world_size)
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size),
-               "--metrics-port", str(port), "--linger-s", LINGER_S, "--run-dir", str(run_dir), *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    demo = start_demo(tmp_path, world_size, *flags)
     scraped: dict[int, str] = {}
-    watcher = threading.Thread(target=_watch_metrics, args=(process, port, world_size, scraped), daemon=True)
+    watcher = threading.Thread(target=_watch_metrics, args=(demo, scraped), daemon=True)
     watcher.start()
-    stdout, stderr = process.communicate(timeout=100)
+    finished = demo.finish()
     watcher.join()
-    return Demo(process.returncode, stdout, stderr, run_dir, scraped)
+    finished.scraped = scraped
+    return finished
 
 
 @pytest.fixture(scope="session")

@@ -20,13 +20,9 @@ or the class directly: ``with PrometheusServer(targets, tmp_dir) as server: ...`
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import shutil
-import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -34,9 +30,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import pytest
+import yaml
 
 from .alert_rules import RULE_FILES
-from .ranks import free_port
+from .server_process import START_TIMEOUT_S, ServerFailed, ServerProcess, find_binary, log_tail
+from .waiting import wait_until
 
 __all__ = [
     "RULE_FILES",
@@ -46,8 +44,6 @@ __all__ = [
     "prometheus_binary",
 ]
 
-_START_TIMEOUT_S = 30.0
-
 
 class PrometheusError(RuntimeError):
     """The server could not start, or an API call failed."""
@@ -55,18 +51,12 @@ class PrometheusError(RuntimeError):
 
 def prometheus_binary() -> str:
     """Return the path of the ``prometheus`` binary; raise if it is not installed."""
-    path = os.environ.get("TENSORPLAY_PROMETHEUS_BIN") or shutil.which("prometheus")
-    if not path or not os.access(path, os.X_OK):
-        raise PrometheusError(
-            "the `prometheus` binary is not installed (apt-get install -y prometheus, as .ci/run "
-            "does); set TENSORPLAY_PROMETHEUS_BIN to use another one"
-        )
-    return path
-
-
-def _yaml_list(items: Sequence[str], indent: int) -> str:
-    pad = " " * indent
-    return "".join(f"{pad}- {json.dumps(str(item))}\n" for item in items)
+    try:
+        return find_binary("prometheus", env="TENSORPLAY_PROMETHEUS_BIN",
+                           install_hint="apt-get install -y prometheus, as .ci/run does; set "
+                                        "TENSORPLAY_PROMETHEUS_BIN to use another one")
+    except ServerFailed as error:
+        raise PrometheusError(str(error)) from None
 
 
 def render_config(
@@ -78,26 +68,21 @@ def render_config(
 ) -> str:
     """Return a prometheus.yml scraping ``{job name: [host:port, ...]}`` with ``rule_files`` loaded.
 
-    The scrape timeout is the scrape interval unless ``scrape_timeout`` is given. JSON strings are
-    valid YAML scalars, so names and paths are quoted with ``json.dumps``.
+    The scrape timeout is the scrape interval unless ``scrape_timeout`` is given.
     """
-    lines = [
-        "global:\n",
-        f"  scrape_interval: {scrape_interval}\n",
-        f"  scrape_timeout: {scrape_timeout or scrape_interval}\n",
-        f"  evaluation_interval: {evaluation_interval}\n",
-        "rule_files:\n",
-        _yaml_list([str(Path(f).resolve()) for f in rule_files], 2) if rule_files else "  []\n",
-        "scrape_configs:\n" if targets else "scrape_configs: []\n",
-    ]
-    for job, job_targets in targets.items():
-        lines += [
-            f"  - job_name: {json.dumps(job)}\n",
-            "    static_configs:\n",
-            "      - targets:\n",
-            _yaml_list(job_targets, 10),
-        ]
-    return "".join(lines)
+    config = {
+        "global": {
+            "scrape_interval": scrape_interval,
+            "scrape_timeout": scrape_timeout or scrape_interval,
+            "evaluation_interval": evaluation_interval,
+        },
+        "rule_files": [str(Path(f).resolve()) for f in rule_files],
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": [str(t) for t in job_targets]}]}
+            for job, job_targets in targets.items()
+        ],
+    }
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 class PrometheusServer:
@@ -138,11 +123,13 @@ class PrometheusServer:
         self.scrape_timeout = scrape_timeout
         self.extra_args = list(extra_args)
         self.storage = None if storage is None else Path(storage)
-        self.port: int | None = None
-        self._process: subprocess.Popen | None = None
-        self._log = None
+        self._server: ServerProcess | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int | None:
+        return None if self._server is None else self._server.port
 
     @property
     def url(self) -> str:
@@ -155,7 +142,7 @@ class PrometheusServer:
     def log_path(self) -> Path:
         return self.workdir / "prometheus.log"
 
-    def start(self, timeout: float = _START_TIMEOUT_S) -> "PrometheusServer":
+    def start(self, timeout: float = START_TIMEOUT_S) -> "PrometheusServer":
         """Start the server and wait until ``/-/ready``; raise PrometheusError if it does not come up."""
         binary = prometheus_binary()
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -164,66 +151,31 @@ class PrometheusServer:
             render_config(self.targets, self.rule_files, self.scrape_interval, self.evaluation_interval,
                           self.scrape_timeout)
         )
-        last_error = ""
-        for _attempt in range(3):  # a free port can be taken between probing and binding
-            self.port = free_port()
-            storage = self.storage or Path(tempfile.mkdtemp(prefix="tsdb-", dir=self.workdir))
-            self._log = open(self.log_path, "ab")
-            self._process = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={storage}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--enable-feature=exemplar-storage",
-                    "--storage.tsdb.retention.time=1d",
-                    "--log.level=warn",
-                    *self.extra_args,
-                ],
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.workdir,
-            )
-            try:
-                self._wait_ready(timeout)
-                return self
-            except PrometheusError as error:
-                last_error = str(error)
-                self.stop()
-                if "address already in use" not in last_error:
-                    break
-        raise PrometheusError(last_error)
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._process is not None and self._process.poll() is not None:
-                raise PrometheusError(
-                    f"prometheus exited with {self._process.returncode}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError, http.client.HTTPException):  # a self-connection reads back its request
-                pass
-            time.sleep(0.1)
-        raise PrometheusError(f"prometheus was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+        def argv(port: int) -> list[str]:
+            storage = self.storage or Path(tempfile.mkdtemp(prefix="tsdb-", dir=self.workdir))
+            return [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={storage}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--enable-feature=exemplar-storage",
+                "--storage.tsdb.retention.time=1d",
+                "--log.level=warn",
+                *self.extra_args,
+            ]
+
+        self._server = ServerProcess("prometheus", argv, self.log_path, cwd=self.workdir)
+        try:
+            self._server.start(timeout)
+        except ServerFailed as error:
+            raise PrometheusError(str(error)) from None
+        return self
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL after ``timeout``); safe to call twice."""
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        if self._server is not None:
+            self._server.stop(timeout)
 
     def __enter__(self) -> "PrometheusServer":
         return self.start()
@@ -233,10 +185,7 @@ class PrometheusServer:
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of the server's log, for error messages."""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, chars)
 
     # -- HTTP API ----------------------------------------------------------------------------
 
@@ -291,15 +240,8 @@ class PrometheusServer:
     # -- waiting -----------------------------------------------------------------------------
 
     def wait_until(self, predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-        """Poll ``predicate`` until it returns something truthy; return it, or raise after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise PrometheusError(f"timed out after {timeout:.0f} s waiting for {what}")
-            time.sleep(0.25)
+        """Poll ``predicate`` until it returns something truthy; return it, or fail after ``timeout``."""
+        return wait_until(predicate, timeout, what, interval=0.25)
 
     def wait_for(self, expr: str, timeout: float = 30.0, count: int = 1) -> list[dict]:
         """Wait until ``expr`` returns at least ``count`` samples; return them."""
@@ -316,11 +258,10 @@ class PrometheusServer:
             targets = self.targets_status()
             return targets if sum(t["health"] == "up" for t in targets) >= count else None
 
-        try:
-            return self.wait_until(up, timeout, f"{count} target(s) up")
-        except PrometheusError as error:
-            details = [(t["scrapeUrl"], t["health"], t["lastError"]) for t in self.targets_status()]
-            raise PrometheusError(f"{error}; targets: {details}") from None
+        def targets() -> str:
+            return f"targets: {[(t['scrapeUrl'], t['health'], t['lastError']) for t in self.targets_status()]}"
+
+        return wait_until(up, timeout, f"{count} target(s) up", interval=0.25, details=targets)
 
 
 @pytest.fixture

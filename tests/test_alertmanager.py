@@ -7,33 +7,24 @@ amtool and Alertmanager are required: a missing binary fails these tests (CI ins
 
 from __future__ import annotations
 
-import http.client
 import json
-import shutil
 import subprocess
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
 
-from .ranks import free_port
+from .server_process import ServerProcess, find_binary
 
 CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "alertmanager" / "alertmanager.yml"
 INSTALL_HINT = "apt-get install -y prometheus-alertmanager, as .ci/run does"
 
 
-def _binary(*names: str) -> str:
-    path = next((found for name in names if (found := shutil.which(name))), None)
-    assert path, f"{' / '.join(names)} is not installed ({INSTALL_HINT})"
-    return path
-
-
 def test_amtool_check_config():
-    result = subprocess.run([_binary("amtool"), "check-config", str(CONFIG)], capture_output=True, text=True,
-                            timeout=60)
+    amtool = find_binary("amtool", install_hint=INSTALL_HINT)
+    result = subprocess.run([amtool, "check-config", str(CONFIG)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -56,39 +47,16 @@ def _api(base: str, path: str, body: object | None = None) -> object:
 
 
 @pytest.fixture
-def alertmanager(tmp_path: Path):
+def alertmanager(tmp_path: Path) -> Iterator[str]:
     """Debian's Alertmanager on 127.0.0.1 with the shipped config; yields its base URL."""
-    binary = _binary("prometheus-alertmanager", "alertmanager")
-    log_path = tmp_path / "alertmanager.log"
-    with open(log_path, "wb") as log:
-        for _attempt in range(3):  # a free port can be taken between probing and binding
-            base = f"http://127.0.0.1:{free_port()}"
-            process = subprocess.Popen(
-                [binary, f"--config.file={CONFIG}", f"--storage.path={tmp_path / 'data'}",
-                 f"--web.listen-address={base.removeprefix('http://')}", "--cluster.listen-address=",
-                 "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )
-            try:
-                if _ready(base, process):
-                    yield base
-                    return
-            finally:
-                process.terminate()
-                process.wait(10)
-    pytest.fail(f"Alertmanager did not start:\n{log_path.read_text()}")
+    binary = find_binary("prometheus-alertmanager", "alertmanager", install_hint=INSTALL_HINT)
 
+    def argv(port: int) -> list[str]:
+        return [binary, f"--config.file={CONFIG}", f"--storage.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"]
 
-def _ready(base: str, process: subprocess.Popen, timeout: float = 20.0) -> bool:
-    """Wait until Alertmanager answers /-/ready; False if it exited (e.g. its port was taken)."""
-    deadline = time.monotonic() + timeout
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(base + "/-/ready", timeout=1):
-                return True
-        except (urllib.error.URLError, ConnectionError, OSError, http.client.HTTPException):  # a self-connection reads back its request
-            time.sleep(0.1)
-    return False
+    with ServerProcess("alertmanager", argv, tmp_path / "alertmanager.log") as server:
+        yield server.url
 
 
 def test_per_rank_alerts_make_one_group_per_alert_and_job(alertmanager: str):

@@ -28,10 +28,6 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client import CollectorRegistry
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -43,16 +39,14 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     batched_powerSGD_hook,
     powerSGD_hook,
 )
-from tensorplay.telemetry import TensorplayMetrics, flush
+from tensorplay.telemetry import flush
 from tensorplay.telemetry.names import Attr
 from tensorplay.telemetry.resolver import resolver
 
-from . import test_default_hooks as default_hook_cases
-from . import test_powersgd as powersgd_cases
-from . import test_traced as traced_cases
-from . import test_training_unharmed as unharmed_cases
-from . import training
+from . import parity_cases, traced_cases, training
 from .ranks import free_port, run_ranks
+from .sink import CountingExporter, MemorySink, memory_sink
+from .waiting import wait_until
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and dist.is_nccl_available()),
@@ -103,18 +97,10 @@ def nccl() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _tracer() -> tuple[TracerProvider, InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter
-
-
-def _fully_traced(hook: Callable) -> tuple[Callable, InMemorySpanExporter]:
-    """``hook`` traced with everything on (spans, metrics, the exact error at every step), and its spans."""
-    provider, exporter = _tracer()
-    metrics = TensorplayMetrics(CollectorRegistry())
-    return traced(hook, error_every=1, metrics=metrics, tracer_provider=provider), exporter
+def _fully_traced(hook: Callable) -> tuple[Callable, MemorySink]:
+    """``hook`` traced with everything on (spans, metrics, the exact error at every step), and its sink."""
+    sink = memory_sink()
+    return sink.traced(hook, error_every=1), sink
 
 
 # -- what a traced call measured: attributes, latency, span times ---------------------------------
@@ -157,11 +143,11 @@ def _sleep_then_reduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Fut
 
 def _span_timings(rank: int, hook: Callable, steps: int = 2) -> list[tuple[float, float]]:
     """(latency ms, span duration ms) of every span of ``traced(hook)`` over a short training."""
-    provider, exporter = _tracer()
+    sink = memory_sink()
     with _training_on_cuda():
-        training.train(rank, traced(hook, tracer_provider=provider), steps=steps)
+        training.train(rank, traced(hook, tracer_provider=sink.provider), steps=steps)
     assert flush(60), "records still pending"
-    spans = exporter.get_finished_spans()
+    spans = sink.finished()
     assert spans
     return [(span.attributes[Attr.ALLREDUCE_LATENCY_MS], (span.end_time - span.start_time) / 1e6) for span in spans]
 
@@ -176,7 +162,7 @@ def _assert_within_spans(timings: list[tuple[float, float]]) -> None:
 
 def test_default_hooks_equal_torch_bit_for_bit_on_cuda(nccl: None) -> None:
     with _training_on_cuda():
-        report = default_hook_cases._compare_with_torch(0, 1)
+        report = parity_cases.compare_default_hooks(0, 1)
     assert report.pop("buckets") >= 3, "the model must span several buckets"
     assert not [name for name, equal in report.items() if not equal], report
 
@@ -185,13 +171,13 @@ def test_powersgd_hooks_equal_torch_bit_for_bit_on_cuda(nccl: None) -> None:
     layer_hooks = (powerSGD_hook, torch_powersgd.powerSGD_hook)
     batched_hooks = (batched_powerSGD_hook, torch_powersgd.batched_powerSGD_hook)
     with _training_on_cuda():
-        report = powersgd_cases._compare_with_torch(0, 1, False)
+        report = parity_cases.compare_powersgd(0, 1, False)
         for wrapper in ("fp16 wrapper", "bf16 wrapper"):
-            case = powersgd_cases.LAYER_CASES[wrapper]
-            report[f"powerSGD_hook: {wrapper}"] = powersgd_cases._compare_case(0, layer_hooks, case, jitter=False)
-        with powersgd_cases._batched_orthogonalization():
-            case = powersgd_cases.BATCHED_CASES["fp16 wrapper"]
-            report["batched_powerSGD_hook: fp16 wrapper"] = powersgd_cases._compare_case(0, batched_hooks, case, jitter=False)
+            case = parity_cases.LAYER_CASES[wrapper]
+            report[f"powerSGD_hook: {wrapper}"] = parity_cases.compare_case(0, layer_hooks, case, jitter=False)
+        with parity_cases.batched_orthogonalization():
+            case = parity_cases.BATCHED_CASES["fp16 wrapper"]
+            report["batched_powerSGD_hook: fp16 wrapper"] = parity_cases.compare_case(0, batched_hooks, case, jitter=False)
     assert report.pop("buckets") >= 3, "the model must span several buckets"
     assert not [name for name, equal in report.items() if not equal], report
 
@@ -199,14 +185,14 @@ def test_powersgd_hooks_equal_torch_bit_for_bit_on_cuda(nccl: None) -> None:
 @pytest.fixture(scope="module")
 def nccl_spans(nccl: None) -> dict:
     with _training_on_cuda():
-        return traced_cases._spans_and_metrics(0, 1)
+        return traced_cases.spans_and_metrics(0, 1)
 
 
 @pytest.mark.parametrize("name", SPAN_HOOKS)
 def test_every_attribute_and_metric_on_cuda(nccl_spans: dict, name: str) -> None:
     _assert_attributes(nccl_spans[name], name, rank=0, world_size=1)
-    traced_cases.test_traced_gradients_equal_untraced([nccl_spans], name)
-    traced_cases.test_metrics_agree_with_spans([nccl_spans], name)
+    traced_cases.check_gradients_equal_untraced([nccl_spans], name)
+    traced_cases.check_metrics_agree_with_spans([nccl_spans], name)
 
 
 def test_latency_and_span_end_come_from_device_events(nccl: None) -> None:
@@ -222,7 +208,7 @@ def test_latency_and_span_end_come_from_device_events(nccl: None) -> None:
 
 def test_fp16_overflow_is_counted_on_cuda(nccl: None) -> None:
     with _training_on_cuda():
-        outcome = traced_cases._overflow(0, 1)
+        outcome = traced_cases.overflow(0, 1)
     total = sum(outcome["expected"].values())
     assert total > 1000, "the test must actually overflow"
     assert outcome["span"] == outcome["expected"]
@@ -231,7 +217,7 @@ def test_fp16_overflow_is_counted_on_cuda(nccl: None) -> None:
 
 def test_traced_powersgd_figure_is_its_residual_on_cuda(nccl: None) -> None:
     with _training_on_cuda():
-        outcome = traced_cases._traced_powersgd(0, 1)
+        outcome = traced_cases.traced_powersgd(0, 1)
     assert outcome["equal"], "tracing changed PowerSGD's gradients"
     compressed = [span for span in outcome["spans"] if span[Attr.STEP] >= 2]
     assert compressed
@@ -325,10 +311,10 @@ def test_sync_counting_sees_every_kind_of_synchronization(nccl: None) -> None:
 @pytest.mark.parametrize("name", [name for name in traced_cases.HOOKS if name != "noop_hook"])
 def test_traced_default_hooks_never_synchronize_the_training_thread(nccl: None, name: str) -> None:
     hook = traced_cases.HOOKS[name][0]
-    traced_hook, exporter = _fully_traced(hook)
+    traced_hook, sink = _fully_traced(hook)
     traced_syncs = _syncs_in_backward(traced_hook)
     untraced_syncs = _syncs_in_backward(hook)
-    assert exporter.get_finished_spans(), "nothing was traced: the count proves nothing"
+    assert sink.finished(), "nothing was traced: the count proves nothing"
     counts = f"traced: {dict(traced_syncs)}, untraced: {dict(untraced_syncs)}"
     assert traced_syncs["training"] == untraced_syncs["training"], f"the telemetry synchronized ({counts})"
     assert traced_syncs["training"] == 0, f"DDP or the hook synchronized by itself ({counts})"
@@ -341,10 +327,10 @@ def test_traced_powersgd_adds_no_synchronization(nccl: None, hook: Callable) -> 
     def state() -> PowerSGDState:
         return PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
 
-    traced_hook, exporter = _fully_traced(hook)
+    traced_hook, sink = _fully_traced(hook)
     untraced_syncs = _syncs_in_backward(hook, state())
     traced_syncs = _syncs_in_backward(traced_hook, state())
-    assert exporter.get_finished_spans(), "nothing was traced: the count proves nothing"
+    assert sink.finished(), "nothing was traced: the count proves nothing"
     assert untraced_syncs["training"] > 0, "the hook's own synchronizations went unseen: the count proves nothing"
     assert traced_syncs["training"] == untraced_syncs["training"], (dict(traced_syncs), dict(untraced_syncs))
 
@@ -357,31 +343,35 @@ def _settled_footprint() -> dict[str, int]:
     torch.cuda.synchronize()
     assert flush(60), "records still pending"
     watcher = resolver()._watcher
-    deadline = time.monotonic() + 30
-    while watcher.waiting() and time.monotonic() < deadline:  # the in-flight gauge's last completions
-        time.sleep(0.01)
+    # The in-flight gauge's last completions.
+    wait_until(lambda: not watcher.waiting(), 30, "the event watcher to have no event left", interval=0.01)
     gc.collect()
-    # NCCL's watchdog keeps each completed collective's tensors until its next sweep.
-    device_bytes, previous = torch.cuda.memory_allocated(), -1
-    while device_bytes != previous and time.monotonic() < deadline:
+    # NCCL's watchdog keeps each completed collective's tensors until its next sweep: wait until
+    # two readings 0.3 s apart agree.
+    readings = [torch.cuda.memory_allocated()]
+
+    def device_bytes_settled() -> bool:
         time.sleep(0.3)
-        device_bytes, previous = torch.cuda.memory_allocated(), device_bytes
+        readings.append(torch.cuda.memory_allocated())
+        return readings[-1] == readings[-2]
+
+    wait_until(device_bytes_settled, 30, "the device memory to settle", interval=0)
+    device_bytes = readings[-1]
     return {
         "objects": len(gc.get_objects()),
-        "records": unharmed_cases._live_records(),
+        "records": traced_cases.live_records(),
         "device bytes": device_bytes,
         "watcher waiting": watcher.waiting(),
     }
 
 
 def test_a_long_run_keeps_records_events_and_device_memory_flat(nccl: None) -> None:
-    exporter = unharmed_cases._Counting()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    metrics = TensorplayMetrics(CollectorRegistry())
+    exporter = CountingExporter()
+    sink = memory_sink(exporter)
+    metrics = sink.metrics
     torch.manual_seed(0)
     model = DDP(nn.Linear(32, 32).cuda())  # one bucket per step
-    hook = traced(default_hooks.fp16_compress_hook, error_every=1, metrics=metrics, tracer_provider=provider)
+    hook = sink.traced(default_hooks.fp16_compress_hook, error_every=1)
     model.register_comm_hook(None, hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batch = torch.randn(4, 32, device="cuda")
@@ -414,9 +404,9 @@ def _on_two_ranks_sharing_one_gpu(rank: int, world_size: int) -> dict:
     torch.cuda.set_device(0)
     with _training_on_cuda():
         outcome = {
-            "default hooks": default_hook_cases._compare_with_torch(rank, world_size),
-            "powersgd": powersgd_cases._compare_with_torch(rank, world_size, False),
-            "spans": traced_cases._spans_and_metrics(rank, world_size),
+            "default hooks": parity_cases.compare_default_hooks(rank, world_size),
+            "powersgd": parity_cases.compare_powersgd(rank, world_size, False),
+            "spans": traced_cases.spans_and_metrics(rank, world_size),
         }
     outcome["timings"] = [
         *_span_timings(rank, default_hooks.allreduce_hook),
@@ -444,8 +434,8 @@ def test_every_attribute_and_metric_over_gloo_on_cuda(gloo_cuda: list[dict], nam
     spans = [outcome["spans"] for outcome in gloo_cuda]
     for rank, outcome in enumerate(spans):
         _assert_attributes(outcome[name], name, rank=rank, world_size=2)
-    traced_cases.test_traced_gradients_equal_untraced(spans, name)
-    traced_cases.test_metrics_agree_with_spans(spans, name)
+    traced_cases.check_gradients_equal_untraced(spans, name)
+    traced_cases.check_metrics_agree_with_spans(spans, name)
 
 
 def test_latency_of_real_communication_is_positive_and_within_its_span(gloo_cuda: list[dict]) -> None:

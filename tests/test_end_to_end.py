@@ -30,7 +30,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -42,6 +41,7 @@ from tensorplay.analysis.straggler import MIN_LATENESS_S, SHARE_THRESHOLD
 
 from .alert_rules import alert_expr
 from .dashboard_queries import dashboard_paths, dashboard_queries, selectors
+from .demo_runs import DemoProcess, start_demo
 from .ranks import free_base_port
 from .prometheus_server import PrometheusServer, prometheus  # noqa: F401 (fixture)
 
@@ -62,13 +62,17 @@ class ScrapedRun:
 
     server: PrometheusServer
     job: str
-    world_size: int
-    run_dir: Path
+    demo: DemoProcess
     started: float
     at: float
-    process: subprocess.Popen
-    stdout_path: Path
-    stderr_path: Path
+
+    @property
+    def world_size(self) -> int:
+        return self.demo.world_size
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.demo.process
 
     @property
     def ranks(self) -> list[str]:
@@ -83,16 +87,13 @@ class ScrapedRun:
         return {s["metric"].get("rank", ""): float(s["value"][1]) for s in self.query(expr)}
 
     def output(self) -> str:
-        return self.stdout_path.read_text() + self.stderr_path.read_text()
+        return self.demo.output()
 
     def finish(self) -> str:
         """Wait for the demo to exit (the linger ends it), assert it succeeded; return its stdout."""
-        try:
-            self.process.wait(timeout=LINGER_S + 30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the demo did not exit after its linger:\n{self.output()}")
-        assert self.process.returncode == 0, self.output()
-        return self.stdout_path.read_text()
+        finished = self.demo.finish(timeout=LINGER_S + 30)
+        assert finished.returncode == 0, self.output()
+        return finished.stdout
 
 
 def _unix(rfc3339: str) -> float:
@@ -102,82 +103,50 @@ def _unix(rfc3339: str) -> float:
     return seconds + float(f"0.{fraction or 0}")
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """Stop a demo still running (a failed check): Ctrl-C makes the elastic agent stop every rank."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-
-def _wait(what: str, predicate, timeout: float, process: subprocess.Popen, output) -> object:
-    """Poll ``predicate`` until truthy; fail with the demo's output on timeout or if it exited early."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if process.poll() is not None:
-            pytest.fail(f"the demo exited ({process.returncode}) before {what}:\n{output()}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}:\n{output()}")
-        time.sleep(0.2)
-
-
 def start_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *flags: str,
                        linger_s: float = LINGER_S, **server_options) -> ScrapedRun:
     """Start Prometheus (``server_options`` go to PrometheusServer) and ``python -m tensorplay demo``
     with its ranks as the targets; ``at`` is 0."""
     port = free_base_port(world_size)
     server = prometheus([f"127.0.0.1:{port + rank}" for rank in range(world_size)], job=job, **server_options)
-    run_dir = tmp_path / "run"
-    stdout_path, stderr_path = tmp_path / "demo.stdout", tmp_path / "demo.stderr"
-    command = [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size),
-               "--metrics-port", str(port), "--linger-s", repr(linger_s), "--run-dir", str(run_dir), *flags]
     started = time.time()
-    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True)
-    return ScrapedRun(server, job, world_size, run_dir, started, 0.0, process, stdout_path, stderr_path)
+    demo = start_demo(tmp_path, world_size, *flags, linger_s=linger_s, port=port)
+    return ScrapedRun(server, job, demo, started, 0.0)
 
 
 def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *flags: str):
     """Start Prometheus and ``python -m tensorplay demo``; return a ScrapedRun once ``at`` is known.
 
-    The caller checks, then calls ``finish()``; on a failed check it stops the demo with ``_stop``.
+    The caller checks, then calls ``finish()``; on a failed check it stops the demo (``run.demo.stop()``).
     """
     run = start_scraped_demo(prometheus, tmp_path, job, world_size, *flags)
-    server, process, run_dir = run.server, run.process, run.run_dir
+    server, demo = run.server, run.demo
     try:
         # 1. Training is over on every rank and its telemetry flushed: the served values are final.
-        _wait("every rank's result file",
-              lambda: all((run_dir / f"result-rank{rank}.json").exists() for rank in range(world_size)),
-              RUN_TIMEOUT_S, process, run.output)
+        demo.wait_for("every rank's result file", demo.results_written, RUN_TIMEOUT_S)
         final = time.time()
         # 2. Prometheus has scraped every rank since then ...
-        _wait("a scrape of every rank after training",
-              lambda: len(server.query(f'timestamp(tensorplay_last_step_timestamp_seconds{{job="{job}"}}) '
-                                       f'>= {final:.3f}')) == world_size,
-              LINGER_S, process, run.output)
+        demo.wait_for("a scrape of every rank after training",
+                      lambda: len(server.query(f'timestamp(tensorplay_last_step_timestamp_seconds{{job="{job}"}}) '
+                                               f'>= {final:.3f}')) == world_size,
+                      LINGER_S)
         scraped = time.time()
         # 3. ... and evaluated the recording rules on those scrapes (while the targets are up) --
         # every rule group, the dashboards' as well as the alerts' inputs: groups are evaluated
         # independently, each at its own offset within the interval.
-        recorded = _wait(
+        recorded = demo.wait_for(
             "a rule evaluation after the final scrape",
             lambda: (lambda r: r if len(r) == world_size else None)(server.query(
                 f'timestamp(job_rank:tensorplay_last_step_timestamp_seconds:max{{job="{job}"}}) > {scraped:.3f}')),
-            LINGER_S, process, run.output)
+            LINGER_S)
         first = min(float(s["value"][1]) for s in recorded)
-        evaluated = _wait(
+        evaluated = demo.wait_for(
             "every rule group's evaluation after the final scrape",
             lambda: (lambda t: t if min(t) >= first else None)([_unix(g["lastEvaluation"]) for g in server.rule_groups()]),
-            LINGER_S, process, run.output)
+            LINGER_S)
         run.at = max(evaluated)
     except BaseException:
-        _stop(process)
+        demo.stop()
         raise
     return run
 
@@ -232,7 +201,7 @@ def _spans(run: ScrapedRun) -> dict[str, dict]:
     """Every span the demo exported to its run directory, by trace id (hex, no 0x)."""
     spans = {}
     for rank in run.ranks:
-        for line in (run.run_dir / f"spans-rank{rank}.jsonl").read_text().splitlines():
+        for line in run.demo.run_dir.spans(int(rank)).read_text().splitlines():
             span = json.loads(line)
             spans[span["context"]["trace_id"].removeprefix("0x")] = span
     return spans
@@ -276,7 +245,7 @@ def test_straggler_run_names_the_straggler_and_every_panel_answers(prometheus, t
             labels = one["seriesLabels"]
             for exemplar in one["exemplars"]:
                 trace_id = exemplar["labels"]["trace_id"]
-                assert trace_id in spans, f"exemplar {exemplar} has no span in {run.run_dir}"
+                assert trace_id in spans, f"exemplar {exemplar} has no span in {run.demo.run_dir.path}"
                 attributes = spans[trace_id]["attributes"]
                 assert str(attributes["tensorplay.rank"]) == labels["rank"]
                 assert attributes["tensorplay.hook"] == labels["hook"]
@@ -290,7 +259,7 @@ def test_straggler_run_names_the_straggler_and_every_panel_answers(prometheus, t
         answered = check_dashboards(run)
         print(f"dashboard series per panel: {answered}")
     except BaseException:
-        _stop(run.process)
+        run.demo.stop()
         raise
     stdout = run.finish()
     assert "straggler: rank 1 " in stdout, stdout
@@ -332,7 +301,7 @@ def test_uneven_run_without_straggler(prometheus, tmp_path: Path) -> None:
         answered = check_dashboards(run)
         print(f"dashboard series per panel: {answered}")
     except BaseException:
-        _stop(run.process)
+        run.demo.stop()
         raise
     stdout = run.finish()
     assert "straggler: none" in stdout, stdout
@@ -359,7 +328,7 @@ def test_a_bigger_batch_on_one_rank_is_named_by_its_share_of_the_step(prometheus
                       "TensorplayRankMetricsMissing", "TensorplayGradientOverflow"):
             assert run.values(alert_expr(alert)) == {}, alert
     except BaseException:
-        _stop(run.process)
+        run.demo.stop()
         raise
     stdout = run.finish()
     verdict = next(line for line in stdout.splitlines() if line.startswith("straggler: "))
@@ -393,13 +362,13 @@ def _hang_verdicts(prometheus, tmp_path: Path, job: str, *flags: str) -> tuple[S
                     return name
             return None
 
-        first = _wait("a hang alert expression to fire", fired, RUN_TIMEOUT_S, run.process, run.output)
+        first = run.demo.wait_for("a hang alert expression to fire", fired, RUN_TIMEOUT_S)
         run.process.wait(timeout=STALL_TIMEOUT_S + 40)
     except BaseException:
-        _stop(run.process)
+        run.demo.stop()
         raise
     assert run.process.returncode == 3, run.output()
-    return run, first, run.stdout_path.read_text()
+    return run, first, run.demo.stdout_path.read_text()
 
 
 def test_a_rank_stuck_in_its_compute_is_named_live_and_by_the_demo(prometheus, tmp_path: Path) -> None:
@@ -447,7 +416,7 @@ def test_a_job_that_ends_right_after_its_join_leaves_its_final_figures(prometheu
     try:
         run.process.wait(timeout=RUN_TIMEOUT_S)
     except BaseException:
-        _stop(run.process)
+        run.demo.stop()
         raise
     assert run.process.returncode == 0, run.output()
     joins = {s["metric"]["rank"]: float(s["value"][1])
@@ -514,12 +483,11 @@ def test_a_frozen_rank_is_named_missing_and_nothing_claims_no_rank_is_missing(pr
     server, frozen, left = run.server, None, []
     instance = server.targets[job][FROZEN_RANK]
     try:
-        _wait("every rank's first hook call, scraped",
-              lambda: len(server.query(f"tensorplay_last_step_timestamp_seconds{selector}")) == 3,
-              RUN_TIMEOUT_S, run.process, run.output)
+        run.demo.wait_for("every rank's first hook call, scraped",
+                          lambda: len(server.query(f"tensorplay_last_step_timestamp_seconds{selector}")) == 3,
+                          RUN_TIMEOUT_S)
         time.sleep(FREEZE_AFTER_S)
-        frozen = _wait(f"rank {FROZEN_RANK}'s process", lambda: _rank_pid(run.process, FROZEN_RANK), 10,
-                       run.process, run.output)
+        frozen = run.demo.wait_for(f"rank {FROZEN_RANK}'s process", lambda: _rank_pid(run.process, FROZEN_RANK), 10)
         os.kill(frozen, signal.SIGSTOP)
 
         def frozen_past_threshold() -> float | None:
@@ -532,8 +500,7 @@ def test_a_frozen_rank_is_named_missing_and_nothing_claims_no_rank_is_missing(pr
                 return float(peers[0]["value"][0])
             return None
 
-        run.at = _wait("the peers to wait past the threshold for the frozen rank", frozen_past_threshold, 30,
-                       run.process, run.output)
+        run.at = run.demo.wait_for("the peers to wait past the threshold for the frozen rank", frozen_past_threshold, 30)
         named, hung_jobs, stalled_ranks = run.values(missing), run.query(hung), run.values(stalled)
         pending = run.values(f'ALERTS{{alertname="TensorplayRankMetricsMissing",alertstate="pending",job="{job}"}}')
         up = server.query_values(f'up{{job="{job}"}}', by="instance", at=run.at)
@@ -552,11 +519,11 @@ def test_a_frozen_rank_is_named_missing_and_nothing_claims_no_rank_is_missing(pr
         # Continued: it answers again, and is no longer named.
         os.kill(frozen, signal.SIGCONT)
         back = time.time()
-        run.at = _wait("a rule evaluation that sees rank 1 scraped again",
-                       lambda: (lambda r: float(r[0]["value"][0]) if r else None)(server.query(
-                           f'timestamp(job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max'
-                           f'{{job="{job}",rank="1"}}) > {back + 1:.3f}')),
-                       20, run.process, run.output)
+        run.at = run.demo.wait_for("a rule evaluation that sees rank 1 scraped again",
+                                   lambda: (lambda r: float(r[0]["value"][0]) if r else None)(server.query(
+                                       f'timestamp(job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max'
+                                       f'{{job="{job}",rank="1"}}) > {back + 1:.3f}')),
+                                   20)
         assert run.values(missing) == {}
     finally:
         if frozen is not None:
@@ -565,7 +532,7 @@ def test_a_frozen_rank_is_named_missing_and_nothing_claims_no_rank_is_missing(pr
             except ProcessLookupError:
                 pass
         ranks = _descendants(run.process.pid)
-        _stop(run.process)
+        run.demo.stop()
         left = [pid for pid in ranks if _is_demo_process(pid)]
         for pid in left:
             os.kill(pid, signal.SIGKILL)

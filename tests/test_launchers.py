@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +36,10 @@ STEPS = 3
 
 def _spawned_rank(rank: int, world_size: int, port: int, hook: Any, out: str) -> None:
     """A rank of ``mp.spawn``: it got ``hook`` by pickle, registers it, trains, and writes what it saw."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from opentelemetry import trace
-
-    from tensorplay.telemetry import enable_metrics, flush
+    from tensorplay.telemetry import flush
     from tensorplay.telemetry.names import Attr
+
+    from .sink import memory_sink
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -51,21 +47,17 @@ def _spawned_rank(rank: int, world_size: int, port: int, hook: Any, out: str) ->
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
     )
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    metrics = enable_metrics(registry=CollectorRegistry(), serve=False)
+    sink = memory_sink(install=True)
     traced_params = train(rank, hook, steps=STEPS)
     flush(30)
     plain_params = train(rank, passthrough(default_hooks.bf16_compress_hook), steps=STEPS)
-    spans = [dict(s.attributes) for s in exporter.get_finished_spans() if s.name == "tensorplay.comm_hook"]
+    spans = sink.spans()
     result = {
         "name": hook.__name__,
         "steps": sorted({s[Attr.STEP] for s in spans}),
         "steps with error": sorted({s[Attr.STEP] for s in spans if Attr.COMPRESSION_RELATIVE_ERROR in s}),
-        "calls counted in this rank's metrics": metrics.registry.get_sample_value(
-            "tensorplay_allreduce_latency_seconds_count", {"rank": str(rank), "hook": "bf16_compress_hook"}
+        "calls counted in this rank's metrics": sink.sample(
+            "tensorplay_allreduce_latency_seconds_count", rank=str(rank), hook="bf16_compress_hook"
         ),
         "spans": len(spans),
         "equal": all(torch.equal(a, b) for a, b in zip(traced_params, plain_params)),

@@ -36,6 +36,7 @@ from tensorplay.telemetry.names import Metric
 
 from .demo_runs import Demo, scrape
 from .ranks import free_base_port, free_port
+from .waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,11 +125,8 @@ def _scrape_final(agents: list[Agent]) -> tuple[dict[int, dict], dict[int, str]]
     """Each rank's result (with the agent it ran under) and what its endpoint served after training."""
     results: dict[int, dict] = {}
     bodies: dict[int, str] = {}
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while len(bodies) < WORLD_SIZE:
-        failed = [agent for agent in agents if agent.process.poll() not in (None, 0)]
-        assert not failed, f"an agent failed ({failed[0].process.returncode}):\n{failed[0].output()}"
-        all_exited = all(agent.process.poll() is not None for agent in agents)
+
+    def scraped_every_rank() -> bool:
         for agent in agents:
             for rank in range(WORLD_SIZE):
                 result = None if rank in bodies else read_json(agent.run_dir.result(rank))
@@ -138,11 +136,18 @@ def _scrape_final(agents: list[Agent]) -> tuple[dict[int, dict], dict[int, str]]
                 body = scrape(port)  # final: the rank flushed its telemetry before writing its result
                 assert body is not None, f"rank {rank} (port {port}) stopped serving before the test scraped it"
                 results[rank], bodies[rank] = {**result, "agent": agent}, body
-        assert not all_exited or len(bodies) == WORLD_SIZE, "the agents exited, some ranks left no result:\n" + \
-            "\n".join(agent.output() for agent in agents)
-        assert time.monotonic() < deadline, "timed out waiting for the ranks' results:\n" + \
-            "\n".join(agent.output() for agent in agents)
-        time.sleep(0.1)
+        return len(bodies) == WORLD_SIZE
+
+    def gave_up() -> str | None:
+        failed = [agent for agent in agents if agent.process.poll() not in (None, 0)]
+        if failed:
+            return f"an agent failed ({failed[0].process.returncode})"
+        if all(agent.process.poll() is not None for agent in agents) and not scraped_every_rank():
+            return "the agents exited, some ranks left no result,"  # after one more look at their files
+        return None
+
+    wait_until(scraped_every_rank, RUN_TIMEOUT_S, "the ranks' results", interval=0.1, gave_up=gave_up,
+               details=lambda: "\n".join(agent.output() for agent in agents))
     return results, bodies
 
 

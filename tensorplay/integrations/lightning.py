@@ -16,8 +16,8 @@ from opentelemetry import trace
 from pytorch_lightning.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from tensorplay.telemetry.metrics import TensorplayMetrics
-from tensorplay.telemetry.traced import Hook, traced
+from tensorplay.telemetry import TensorplayMetrics, traced
+from tensorplay.telemetry.traced import Hook
 
 __all__ = ["TracedCommHook"]
 

@@ -9,8 +9,21 @@ the ``report`` extra), :mod:`.page` writes the HTML, :mod:`.build` puts them tog
 :mod:`.cli` is the command.
 """
 
-from .build import INSTALL_HINT, Report, ReportUnavailable, build_report, default_output, render_html, write_report
-from tensorplay.analysis.span_reader import NoSpans
 
-__all__ = ["build_report", "render_html", "write_report", "default_output", "Report", "ReportUnavailable",
-           "NoSpans", "INSTALL_HINT"]
+import importlib
+from typing import Any
+
+_HOME = {name: f"{__name__}.build" for name in ("build_report", "render_html", "write_report", "default_output",
+                                                 "Report", "ReportUnavailable", "INSTALL_HINT")} \
+    | {"NoSpans": "tensorplay.analysis.span_reader"}
+"""The module each public name lives in, loaded on first use (:pep:`562`): importing the package
+loads neither matplotlib nor the telemetry."""
+
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -14,7 +14,7 @@ from .metrics import active_metrics, rank_label
 from .names import JOIN_SPAN_NAME, Attr
 from .tracing import tracer
 
-__all__ = ["record_join", "record_join_progress", "watch_collective"]
+__all__ = ["listen", "record_join", "record_join_progress", "watch_collective"]
 
 
 def watch_collective() -> Callable[[], None] | None:
@@ -61,8 +61,14 @@ def record_join(report: probe.JoinReport) -> None:
         span.end(end_time=int(report.all_joined_unix * 1e9))
 
 
-# Join measures only while someone listens; this listener exports to whatever is on (metrics,
-# an SDK tracer provider) and does nothing otherwise. A Join costs a few clock reads per context.
-probe.add_join_listener(record_join)
-probe.add_join_progress_listener(record_join_progress)
-probe.set_collective_watch(watch_collective)
+def listen() -> None:
+    """Export every ``Join``'s timing from now on; calling it again changes nothing.
+
+    ``Join`` measures only while someone listens, and these listeners export to whatever is on
+    (metrics, an SDK tracer provider) and do nothing otherwise: a listening ``Join`` costs a few
+    clock reads per context. The telemetry's public names call it when first used
+    (``tensorplay.telemetry``'s ``__getattr__``), never an import of the algorithms.
+    """
+    probe.add_join_listener(record_join)
+    probe.add_join_progress_listener(record_join_progress)
+    probe.set_collective_watch(watch_collective)

@@ -12,8 +12,6 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch import nn
 
-from tensorplay.telemetry.traced import traced
-
 from . import debugging_hooks as debugging
 from . import default_hooks as default
 from . import powerSGD_hook as powerSGD
@@ -27,6 +25,19 @@ else:  # before 3.11 a partial in an Enum body is a member already
 
 
 __all__ = ["DDPCommHookType", "register_ddp_comm_hook", "traced"]
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve ``traced`` (the public contract names it here) from the telemetry on first use.
+
+    The hooks themselves report through :mod:`tensorplay.telemetry.probe` only: importing them
+    loads neither the OpenTelemetry SDK nor prometheus_client.
+    """
+    if name == "traced":
+        from tensorplay.telemetry import traced
+
+        return traced
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _register(comm_hook: Callable, model: nn.Module, state: Any) -> None:
