@@ -61,7 +61,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--straggler-kind", choices=STRAGGLER_KINDS, default="sleep",
                         help="extra flag: how the straggler is slow: 'sleep' sleeps --straggler-delay-ms between "
                              "forward and backward; 'batch' trains a batch --straggler-batch-factor times its "
-                             "peers' (more forward and backward work between the buckets; default sleep)")
+                             "peers' (more forward work, which its compute time shows, and more backward work between the "
+                             "buckets, which it does not; default sleep)")
     parser.add_argument("--straggler-batch-factor", type=int, default=DEFAULT_STRAGGLER_BATCH_FACTOR, metavar="F",
                         help="extra flag: with --straggler-kind batch, the straggler's batch is F times its peers' "
                              f"(default {DEFAULT_STRAGGLER_BATCH_FACTOR})")
