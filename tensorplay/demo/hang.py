@@ -117,15 +117,15 @@ class HangReport:
         now = time.time() if now_unix is None else now_unix
         lines = [f"tensorplay demo: the job hangs: no rank made progress for {self.stalled_s:.0f} s"]
         for state in self.never_arrived:
-            lines.append(f"  rank {state['rank']}{_pid(state)}: in no collective after {state['steps_done']} batches "
+            lines.append(f"  rank {state['rank']}: in no collective after {state['steps_done']} batches "
                          f"(latest hook call {_ago(state.get('last_hook_call_unix'), now)}): "
-                         "it never arrived; the others wait for it")
+                         f"it never arrived; the others wait for it{_pid(state)}")
         for state in self.waiting:
             waiting = state["waiting"]
             where = "Join's all-reduce" if waiting["step"] is None else f"step {waiting['step']}, bucket {waiting['bucket']}"
             since = datetime.fromtimestamp(waiting["since_unix"]).strftime("%H:%M:%S")
-            lines.append(f"  rank {state['rank']}{_pid(state)}: waiting inside a collective since {since} "
-                         f"({now - waiting['since_unix']:.1f} s), {where}")
+            lines.append(f"  rank {state['rank']}: waiting inside a collective since {since} "
+                         f"({now - waiting['since_unix']:.1f} s), {where}{_pid(state)}")
         if self.never_arrived:
             culprits = ", ".join(str(s["rank"]) for s in self.never_arrived)
             lines.append(f"stuck on rank {culprits} (TensorplayRankStalled)")
@@ -141,7 +141,7 @@ class HangReport:
 
 
 def _pid(state: dict) -> str:
-    return f" (pid {state['pid']})" if state.get("pid") is not None else ""
+    return f"; pid {state['pid']}" if state.get("pid") is not None else ""
 
 
 def _ago(unix: float | None, now: float) -> str:
