@@ -2,7 +2,7 @@
 
 The scripts under ``tests/frameworks/`` are ordinary user scripts; this module runs each once,
 all side by side, with the framework's own launcher (Lightning's default launcher and its spawn
-launcher) or torchrun, and the tests read what the ranks left behind: final parameters, span
+launcher) or ``accelerate launch``, and the tests read what the ranks left behind: final parameters, span
 files, and each rank's own ``/metrics`` as it served them over HTTP.
 """
 
@@ -37,7 +37,7 @@ class _Run:
 
     The scripts start together and run side by side (their imports alone take seconds per
     process); each test waits only for the one it reads. It runs in a session of its own, so
-    whatever it launched (Lightning's rank 1, spawn workers, torchrun's ranks) goes with it if a
+    whatever it launched (Lightning's rank 1, spawn workers, Accelerate's ranks) goes with it if a
     test ends before it does.
     """
 
@@ -89,16 +89,19 @@ def _unused(taken: set[int], pick: Any, span: int = 1) -> int:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Run]]:
     """Start every script of this module at once."""
     ports: set[int] = set()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_unused(ports, free_port)}"]
     script = [sys.executable, str(SCRIPTS / "lightning_train.py")]
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_unused(ports, free_port))]
     commands: dict[str, Callable[[str], list[str]]] = {
         # Lightning's default launcher: fits with torch's bf16 hook, TracedCommHook(bf16), torch's PowerSGD.
         "lightning": lambda out_dir: [*script, out_dir],
         # DDPStrategy(start_method="spawn"): the Trainer and its TracedCommHook(powerSGD_hook) go pickled.
         "lightning-spawn": lambda out_dir: [*script, out_dir, "--spawn"],
-        # Accelerate under torchrun (c10d rendezvous on 127.0.0.1), uneven inputs in tensorplay's Join.
-        "accelerate": lambda out_dir: [*torchrun, str(SCRIPTS / "accelerate_join.py"), out_dir],
+        # README's `accelerate launch --multi_gpu --num_processes 2` on CPU, uneven inputs in tensorplay's Join.
+        "accelerate": lambda out_dir: [*accelerate, "--multi_gpu", "--num_processes", "2",
+                                       str(SCRIPTS / "accelerate_join.py"), out_dir],
+        # `accelerate launch --cpu` starts one process, whatever --num_processes says: no DDP to hook.
+        "accelerate-one-process": lambda out_dir: [*accelerate, "--cpu", "--num_processes", "2",
+                                                   str(SCRIPTS / "accelerate_join.py"), out_dir],
         # Which frameworks importing tensorplay (its integrations package too) pulls in: none.
         "imports": lambda out_dir: [sys.executable, "-c", IMPORTS_PROBE],
     }
@@ -205,7 +208,7 @@ def test_lightning_callback_refuses_what_it_cannot_serve(lightning_spawn_run: Pa
     assert refusals["state twice"] == "ValueError: TracedCommHook: give the hook's state or make_state, not both"
 
 
-def test_accelerate_under_torchrun_serves_every_ranks_join(accelerate_run: Path) -> None:
+def test_accelerate_launch_serves_every_ranks_join(accelerate_run: Path) -> None:
     """Rank r had 3 + 2r batches: rank 0 shadowed rank 1's last 2 iterations."""
     for rank in RANKS:
         samples = _served(accelerate_run, rank)
@@ -215,6 +218,15 @@ def test_accelerate_under_torchrun_serves_every_ranks_join(accelerate_run: Path)
         assert _value(samples, "tensorplay_join_last_joiner", rank=str(rank)) == rank
         assert _value(samples, "tensorplay_bucket_bytes_total", rank=str(rank), hook="bf16_compress_hook") > 0
     assert _equal(_parameters(accelerate_run / "rank0.pt"), _parameters(accelerate_run / "rank1.pt"))
+
+
+def test_accelerate_on_one_process_says_what_is_wrong(runs: dict[str, _Run]) -> None:
+    """Unwrapped, the model has no register_comm_hook: the script names the cause and the command instead."""
+    run = runs["accelerate-one-process"]
+    assert run.process.wait(300) != 0
+    stderr = (run.out_dir / "stderr.txt").read_text()
+    assert "DDP needs 2 or more processes, this is 1: accelerate launch --multi_gpu --num_processes 2 " in stderr
+    assert "AttributeError" not in stderr
 
 
 def test_importing_tensorplay_imports_no_framework(runs: dict[str, _Run]) -> None:

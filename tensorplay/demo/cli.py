@@ -35,8 +35,8 @@ def add_demo_command(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE, metavar="N",
                       help=f"ranks to start on this machine (default {DEFAULT_WORLD_SIZE})")
-    add_job_arguments(demo)
-    demo.set_defaults(metrics_addr=DEMO_METRICS_ADDR, usage_error=demo.error)
+    add_job_arguments(demo, metrics_addr=DEMO_METRICS_ADDR)
+    demo.set_defaults(usage_error=demo.error)
 
 
 def demo_command(args: argparse.Namespace, html_report: Callable[[Path], str]) -> int:
@@ -64,8 +64,8 @@ def demo_command(args: argparse.Namespace, html_report: Callable[[Path], str]) -
         with ProgressDisplay(run_dir, args.world_size), hang_watch:
             launch_ranks(args.world_size, job_argv(args), run_dir)
     except Interrupted:
-        if hang_watch.report is not None:
-            print("\n" + hang_watch.report.render(), flush=True)
+        if hang_watch.report is not None:  # printed before the ranks were stopped
+            print(f"every rank stopped (exit status {EXIT_HUNG})", flush=True)
             return EXIT_HUNG
         print("\ntensorplay demo: interrupted; every rank stopped", file=sys.stderr)
         return EXIT_INTERRUPTED

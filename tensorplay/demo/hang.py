@@ -3,7 +3,8 @@
 Each rank runs a :class:`RankStateWriter`, a thread that keeps ``state-rank<r>.json`` current
 from tensorplay's own live figures (the collective in flight, the latest hook call), so it goes
 on while the training thread is blocked. The launcher runs a :class:`HangWatch`: once no rank has
-made progress for ``--stall-timeout-s`` seconds, it writes the hang report and stops every rank.
+made progress for ``--stall-timeout-s`` seconds, it prints the hang report (with each rank's pid and
+where the stuck rank's training thread is) while the ranks are still up, then stops every rank.
 The attribution is :func:`tensorplay.analysis.hang.attribute_hang`, the rule of the
 ``TensorplayRankStalled`` / ``TensorplayJobHung`` alerts.
 """
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -28,6 +31,7 @@ __all__ = ["RankStateWriter", "HangWatch", "HangReport", "EXIT_HUNG"]
 
 EXIT_HUNG = 3
 _WRITE_EVERY_S = 0.25
+_STACK_FRAMES = 12  # the innermost frames of a stalled training thread: where it is stuck
 
 
 class RankStateWriter:
@@ -41,6 +45,7 @@ class RankStateWriter:
         self._finished = False
         self._activity_unix = time.time()
         self._last_seen: tuple[Any, ...] = ()
+        self._training_thread = threading.get_ident()  # made on the training thread
         self._stop = threading.Event()
         self._writing = threading.Lock()  # the thread and finished() on the training thread both write
         self._thread = threading.Thread(target=self._run, name="tensorplay-demo-state", daemon=True)
@@ -74,11 +79,16 @@ class RankStateWriter:
         waiting = self._metrics.collectives_in_flight.oldest(rank)
         last_hook = self._metrics.registry.get_sample_value(Metric.LAST_STEP_TIMESTAMP, {"rank": rank})
         seen = (self._steps_done, last_hook, waiting)
-        if seen != self._last_seen:  # a hook call, a finished batch or a collective completing
+        stalled = seen == self._last_seen
+        if not stalled:  # a hook call, a finished batch or a collective completing
             self._last_seen = seen
             self._activity_unix = time.time()
         write_json(self._path, {
             "rank": self._rank,
+            "pid": os.getpid(),
+            # Taken only while nothing moves, so it costs nothing while training runs, and the hang
+            # report can show where a stuck rank is before the demo stops it.
+            "stack": self._training_stack() if stalled else None,
             "steps_done": self._steps_done,
             "finished": self._finished,
             "activity_unix": self._activity_unix,
@@ -87,6 +97,10 @@ class RankStateWriter:
                 "since_unix": waiting.since_unix, "step": waiting.step, "bucket": waiting.bucket,
             },
         })
+
+    def _training_stack(self) -> str | None:
+        frame = sys._current_frames().get(self._training_thread)
+        return None if frame is None else "".join(traceback.format_stack(frame, limit=_STACK_FRAMES))
 
 
 @dataclass
@@ -98,28 +112,36 @@ class HangReport:
     waiting: list[dict]
 
     def render(self, now_unix: float | None = None) -> str:
-        """The report as the demo prints it."""
+        """The report as the demo prints it, while the ranks are still up: their pids, and the stacks
+        of the ranks the job is stuck on."""
         now = time.time() if now_unix is None else now_unix
         lines = [f"tensorplay demo: the job hangs: no rank made progress for {self.stalled_s:.0f} s"]
         for state in self.never_arrived:
             lines.append(f"  rank {state['rank']}: in no collective after {state['steps_done']} batches "
                          f"(latest hook call {_ago(state.get('last_hook_call_unix'), now)}): "
-                         "it never arrived; the others wait for it")
+                         f"it never arrived; the others wait for it{_pid(state)}")
         for state in self.waiting:
             waiting = state["waiting"]
             where = "Join's all-reduce" if waiting["step"] is None else f"step {waiting['step']}, bucket {waiting['bucket']}"
             since = datetime.fromtimestamp(waiting["since_unix"]).strftime("%H:%M:%S")
             lines.append(f"  rank {state['rank']}: waiting inside a collective since {since} "
-                         f"({now - waiting['since_unix']:.1f} s), {where}")
+                         f"({now - waiting['since_unix']:.1f} s), {where}{_pid(state)}")
         if self.never_arrived:
             culprits = ", ".join(str(s["rank"]) for s in self.never_arrived)
-            lines.append(f"stuck on rank {culprits} (TensorplayRankStalled): look at what it does now, "
-                         f"e.g. py-spy dump --pid <its pid>")
+            lines.append(f"stuck on rank {culprits} (TensorplayRankStalled)")
+            for state in self.never_arrived:
+                if state.get("stack"):
+                    lines.append(f"rank {state['rank']}'s training thread, innermost frames last:")
+                    lines += ["  " + line for line in state["stack"].rstrip("\n").splitlines()]
         else:
             lines.append("every rank waits inside a collective: no rank to blame (TensorplayJobHung): "
                          "network, NCCL, or ranks that launched different collectives")
-        lines.append(f"every rank stopped (exit status {EXIT_HUNG})")
+        lines.append("on a job of your own, a hung rank's every thread and native frame: py-spy dump --native --pid PID")
         return "\n".join(lines)
+
+
+def _pid(state: dict) -> str:
+    return f"; pid {state['pid']}" if state.get("pid") is not None else ""
 
 
 def _ago(unix: float | None, now: float) -> str:
@@ -161,5 +183,6 @@ class HangWatch:
             stalled_s = time.time() - max(s["activity_unix"] for s in known)
             if stalled_s >= self._timeout_s:
                 self.report = HangReport(stalled_s, *attribute_hang(known))
+                print("\n" + self.report.render(), flush=True)  # while every rank is still up
                 os.kill(os.getpid(), signal.SIGTERM)
                 return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -99,8 +100,23 @@ def _failure_message(error: ChildFailedError, run_dir: RunDir) -> str:
     """Name the rank that failed first (the agent then stops the others) and quote its stderr's end."""
     rank, first = error.get_first_failure()
     message = f"rank {rank} failed (exit code {first.exitcode})"
+    if first.exitcode < 0:  # the elastic agent reports a death by signal N as exit code -N
+        name = _signal_name(-first.exitcode)
+        message = f"rank {rank} was killed by {name} (exit code {first.exitcode})"
+        if name == "SIGKILL":
+            message += ", a signal no process can catch or log: often the kernel's out-of-memory killer (see dmesg)"
     log = run_dir.stderr_logs().get(first.local_rank)
     if log is not None:
         tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-_LOG_TAIL_LINES:]
-        message += f"; end of {log}:\n" + "\n".join("    " + line for line in tail)
+        if tail:
+            message += f"; end of {log}:\n" + "\n".join("    " + line for line in tail)
+        else:
+            message += f"; its log {log} is empty"
     return message
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -7,6 +7,9 @@ every rank unchanged; under ``torchrun`` the entry point parses and checks the s
 from __future__ import annotations
 
 import argparse
+import os
+
+from tensorplay.telemetry.metrics import PORT_ENV
 
 from .hooks import DEFAULT_HOOK, HOOK_NAMES
 
@@ -44,8 +47,12 @@ def extra_batches(steps: int) -> int:
     return max(1, steps // 4)
 
 
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of the training job itself (everything but how many ranks to start)."""
+def add_job_arguments(parser: argparse.ArgumentParser, metrics_addr: str | None = None) -> None:
+    """Add the flags of the training job itself (everything but how many ranks to start).
+
+    ``metrics_addr`` is ``--metrics-addr``'s default (``tensorplay demo``: loopback); None leaves
+    it to ``enable_metrics``: ``$TENSORPLAY_METRICS_ADDR``, else 0.0.0.0.
+    """
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="S",
                         help=f"batches per rank (with --uneven, rank 0's count; default {DEFAULT_STEPS})")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, metavar="B",
@@ -61,7 +68,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--straggler-kind", choices=STRAGGLER_KINDS, default="sleep",
                         help="extra flag: how the straggler is slow: 'sleep' sleeps --straggler-delay-ms between "
                              "forward and backward; 'batch' trains a batch --straggler-batch-factor times its "
-                             "peers' (more forward and backward work between the buckets; default sleep)")
+                             "peers' (more forward work, which its compute time shows, and more backward work between the "
+                             "buckets, which it does not; default sleep)")
     parser.add_argument("--straggler-batch-factor", type=int, default=DEFAULT_STRAGGLER_BATCH_FACTOR, metavar="F",
                         help="extra flag: with --straggler-kind batch, the straggler's batch is F times its peers' "
                              f"(default {DEFAULT_STRAGGLER_BATCH_FACTOR})")
@@ -79,9 +87,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                              f"and exit 3 (default {DEFAULT_STALL_TIMEOUT_S:g})")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
                         help="rank serves /metrics on P + LOCAL_RANK (default $TENSORPLAY_METRICS_PORT, else 9400)")
-    parser.add_argument("--metrics-addr", default=None, metavar="ADDR",
-                        help="address the metrics endpoints bind (extra flag; default $TENSORPLAY_METRICS_ADDR, "
-                             "else 0.0.0.0; tensorplay demo binds 127.0.0.1)")
+    parser.add_argument("--metrics-addr", default=metrics_addr, metavar="ADDR",
+                        help="extra flag: address the metrics endpoints bind (default "
+                             + (metrics_addr or "$TENSORPLAY_METRICS_ADDR, else 0.0.0.0") + ")")
     parser.add_argument("--otlp-endpoint", default=None, metavar="URL",
                         help="also export spans over OTLP to URL (default $OTEL_EXPORTER_OTLP_ENDPOINT if set)")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
@@ -112,14 +120,31 @@ def job_problem(args: argparse.Namespace, world_size: int, local_world_size: int
         return f"--straggler-delay-ms must be >= 0, got {args.straggler_delay_ms:g}"
     if args.straggler_batch_factor < 1:
         return f"--straggler-batch-factor must be at least 1, got {args.straggler_batch_factor}"
-    if args.metrics_port is not None and not 0 < args.metrics_port <= 65536 - local_world_size:
-        return (f"--metrics-port {args.metrics_port}: the ranks serve on ports {args.metrics_port}.."
-                f"{args.metrics_port + local_world_size - 1}, which must lie within 1..65535")
+    problem = _port_problem(args, local_world_size)
+    if problem is not None:
+        return problem
     if args.linger_s < 0:
         return f"--linger-s must be >= 0, got {args.linger_s:g}"
     if args.stall_timeout_s <= 0:
         return f"--stall-timeout-s must be > 0, got {args.stall_timeout_s:g}"
     return _hang_problem(args, world_size)
+
+
+def _port_problem(args: argparse.Namespace, local_world_size: int) -> str | None:
+    """``--metrics-port``, or ``$TENSORPLAY_METRICS_PORT`` standing in for it, checked alike: a rank
+    would otherwise train without serving, and say so only in its log."""
+    port, source = args.metrics_port, f"--metrics-port {args.metrics_port}"
+    raw = (os.environ.get(PORT_ENV) or "").strip()
+    if port is None and raw:
+        source = f"{PORT_ENV}={raw!r} (the default of --metrics-port)"
+        try:
+            port = int(raw)
+        except ValueError:
+            return f"{source} is not a port number"
+    if port is not None and not 0 < port <= 65536 - local_world_size:
+        return (f"{source}: the ranks serve on ports {port}..{port + local_world_size - 1}, "
+                "which must lie within 1..65535")
+    return None
 
 
 def _hang_problem(args: argparse.Namespace, world_size: int) -> str | None:

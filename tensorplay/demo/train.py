@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-
+import warnings
 from typing import Any
 
 import torch
@@ -114,6 +114,20 @@ def _injected(delay_s: float, factor: int, batch_size: int) -> str | None:
     return None
 
 
+def _serve_metrics(args: argparse.Namespace) -> tuple[TensorplayMetrics, str | None]:
+    """Turn metrics on; if they cannot be served (a port taken), also return why, for the launcher's terminal.
+
+    ``enable_metrics`` says why in a warning, which still reaches this rank's log.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        metrics = enable_metrics(port=args.metrics_port, addr=args.metrics_addr)
+    for warning in caught:
+        warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    not_served = None if served_address() else "; ".join(str(w.message).removeprefix("tensorplay: ") for w in caught) or "metrics not served"
+    return metrics, not_served
+
+
 def _configure_tracing(args: argparse.Namespace, run_dir: RunDir | None, rank: int) -> TracerProvider | None:
     """Export spans to the run directory's span file and, if an endpoint is known, over OTLP."""
     otlp = bool(args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -165,7 +179,7 @@ def train(args: argparse.Namespace) -> None:
     run_dir = RunDir(args.run_dir) if args.run_dir else None
     if run_dir is not None:
         run_dir.path.mkdir(parents=True, exist_ok=True)
-    metrics = enable_metrics(port=args.metrics_port, addr=args.metrics_addr)
+    metrics, not_served = _serve_metrics(args)
     served = served_address()
     metrics_url = f"http://{served[0]}:{served[1]}/metrics" if served else None
     provider = _configure_tracing(args, run_dir, rank)
@@ -181,7 +195,7 @@ def train(args: argparse.Namespace) -> None:
     delay_s = args.straggler_delay_ms / 1e3 if straggler and args.straggler_kind == "sleep" else 0.0
     factor = args.straggler_batch_factor if straggler and args.straggler_kind == "batch" else 1
     batch_size = args.batch_size * factor
-    progress = ProgressWriter(run_dir, rank, batches, metrics_url) if run_dir is not None else None
+    progress = ProgressWriter(run_dir, rank, batches, metrics_url, not_served) if run_dir is not None else None
     live_state = RankStateWriter(run_dir, rank, metrics) if run_dir is not None else None
     stuck_at = hang_step(args) if args.hang_rank == rank and not args.hang_inside_collective else None
     started = time.perf_counter()

@@ -33,6 +33,10 @@ def add_report_command(commands: argparse._SubParsersAction) -> None:
 
 def report_command(args: argparse.Namespace) -> int:
     """Write the report of ``args.run_dir``; say what could not be read; return the exit status."""
+    if args.out is not None and not args.out.absolute().parent.is_dir():  # refused before any reading
+        print(f"tensorplay report: --out {args.out}: no directory {args.out.absolute().parent} to write it in",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         report, out = write_report(args.run_dir, args.out)
     except ReportUnavailable as error:

@@ -1,6 +1,8 @@
-"""An Accelerate script under torchrun with uneven inputs: tensorplay's traced hook and Join on the prepared model.
+"""An Accelerate script with uneven inputs: tensorplay's traced hook and Join on the prepared model.
 
-``torchrun --nproc-per-node 2 accelerate_join.py OUT_DIR``, CPU and gloo. Rank r trains on
+``accelerate launch --multi_gpu --num_processes 2 accelerate_join.py OUT_DIR`` (README's command;
+on CPU as well: ``--cpu`` starts one process), gloo. On one process ``accelerator.prepare`` leaves
+the model unwrapped, and the script says so instead of failing on ``register_comm_hook``. Rank r trains on
 ``3 + 2 r`` batches of its own, inside ``tensorplay``'s ``Join`` (Accelerate's
 ``join_uneven_inputs`` does nothing on CPU). Metrics come on through ``TENSORPLAY_METRICS_PORT``
 (the torchrun way); each rank writes ``OUT_DIR/metrics-rank{r}.txt`` (its own ``/metrics``,
@@ -16,6 +18,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tensorplay import traced
 from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
@@ -32,6 +35,9 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if not isinstance(model, DDP):  # one process: prepare leaves the model as it is
+        raise SystemExit(f"DDP needs 2 or more processes, this is {accelerator.num_processes}: "
+                         f"accelerate launch --multi_gpu --num_processes 2 {sys.argv[0]}")
     model.register_comm_hook(None, traced(bf16_compress_hook))
 
     rank = accelerator.process_index
