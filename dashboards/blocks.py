@@ -202,6 +202,21 @@ def _targets(queries: Sequence[Query], instant: bool, fmt: str) -> list[Json]:
     ]
 
 
+def worst_over_range(series: str, op: Literal["topk", "bottomk"] = "topk") -> str:
+    """``series`` of the $topk ranks whose mean over the dashboard's time range is the highest
+    (``bottomk``: lowest): ranked once (``@ end()``), so the same ranks at every step, where a plain
+    topk() would pick others at each step and draw many more than k lines."""
+    return f"{series}\nand on (job, rank)\n{op}($topk, avg_over_time({series}[$__range] @ end()))"
+
+
+def picked_ranks_mean(histogram: str, by: str = "job, rank") -> str:
+    """The mean of ``histogram`` (``_sum`` over ``_count``) per ``by`` over each rate window, for
+    the ranks picked in the rank variable (the per-rank row)."""
+    rate = 'rate({}{{job=~"$job", rank=~"$rank"}}[$__rate_interval])'
+    return (f"sum by ({by}) ({rate.format(histogram + '_sum')})\n/\n"
+            f"sum by ({by}) ({rate.format(histogram + '_count')})")
+
+
 def rank_link(uid: str) -> list[Json]:
     """A data link on a worst-ranks panel: the clicked series' rank in dashboard ``uid``'s per-rank
     row, keeping the time range, data source, jobs and top-k."""

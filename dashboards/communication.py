@@ -1,13 +1,18 @@
-"""The Communication dashboard."""
+"""The Communication dashboard: DDP gradient communication, job first, then the worst ranks,
+telemetry errors and the ranks picked in the per-rank row."""
 
 from __future__ import annotations
 
-from .blocks import Query, Row, Size, dashboard, bargauge, heatmap, stat, table, timeseries, rank_link
+from .blocks import (
+    Query, Row, Size, dashboard, picked_ranks_mean, rank_link, worst_over_range,
+    bargauge, heatmap, stat, table, timeseries,
+)
 
 UID = "tensorplay-communication"
 
 
 def build() -> dict:
+    """The dashboard, rows top to bottom: whole jobs, the worst ranks, then the per-rank row."""
     return dashboard(
         UID,
         "tensorplay / Communication",
@@ -31,14 +36,20 @@ def build() -> dict:
                         "dashboard. Exemplars (links to traces) are on the per-rank row."
                     ),
                     [
-                        Query((
-                            'job_hook_quantile:tensorplay_allreduce_latency_seconds:quantile5m{job=~"$job", '
-                            'quantile="0.5"}'
-                        ), "p50 · {{hook}} · {{job}}"),
-                        Query((
-                            'job_hook_quantile:tensorplay_allreduce_latency_seconds:quantile5m{job=~"$job", '
-                            'quantile="0.99"}'
-                        ), "p99 · {{hook}} · {{job}}"),
+                        Query(
+                            (
+                                'job_hook_quantile:tensorplay_allreduce_latency_seconds:quantile5m{job=~"$job", '
+                                'quantile="0.5"}'
+                            ),
+                            "p50 · {{hook}} · {{job}}",
+                        ),
+                        Query(
+                            (
+                                'job_hook_quantile:tensorplay_allreduce_latency_seconds:quantile5m{job=~"$job", '
+                                'quantile="0.99"}'
+                            ),
+                            "p99 · {{hook}} · {{job}}",
+                        ),
                     ],
                     Size(12, 8),
                     "s",
@@ -50,7 +61,13 @@ def build() -> dict:
                         "together, over 5 minutes. One band is a healthy job. A second band higher up is a set "
                         "of slow buckets: a slow link, or the peers of a straggler waiting for it."
                     ),
-                    Query('sum by (le) (job_hook:tensorplay_allreduce_latency_seconds_bucket:rate5m{job=~"$job"})', "{{le}}"),
+                    Query(
+                        (
+                            "sum by (le) "
+                            '(job_hook:tensorplay_allreduce_latency_seconds_bucket:rate5m{job=~"$job"})'
+                        ),
+                        "{{le}}",
+                    ),
                     Size(12, 8),
                 ),
                 timeseries(
@@ -61,8 +78,13 @@ def build() -> dict:
                         "rank: the per-rank row."
                     ),
                     [
-                        Query('job_hook:tensorplay_bucket_bytes:rate5m{job=~"$job"}', "handed over · {{hook}} · {{job}}"),
-                        Query('job_hook:tensorplay_wire_bytes:rate5m{job=~"$job"}', "on the wire · {{hook}} · {{job}}"),
+                        Query(
+                            'job_hook:tensorplay_bucket_bytes:rate5m{job=~"$job"}',
+                            "handed over · {{hook}} · {{job}}",
+                        ),
+                        Query(
+                            'job_hook:tensorplay_wire_bytes:rate5m{job=~"$job"}', "on the wire · {{hook}} · {{job}}"
+                        ),
                     ],
                     Size(12, 8),
                     "Bps",
@@ -74,11 +96,14 @@ def build() -> dict:
                         "for allreduce_hook, about 2 for fp16/bf16, much more for PowerSGD. A drop means the "
                         "hook compresses less than it should (a wrapper fell back, a PowerSGD rank changed)."
                     ),
-                    [Query((
-                        'job_hook:tensorplay_bucket_bytes:rate5m{job=~"$job"}\n'
-                        "/\n"
-                        'job_hook:tensorplay_wire_bytes:rate5m{job=~"$job"}'
-                    ), "{{hook}} · {{job}}")],
+                    [Query(
+                        (
+                            'job_hook:tensorplay_bucket_bytes:rate5m{job=~"$job"}\n'
+                            "/\n"
+                            'job_hook:tensorplay_wire_bytes:rate5m{job=~"$job"}'
+                        ),
+                        "{{hook}} · {{job}}",
+                    )],
                     Size(12, 8),
                     "suffix:×",
                 ),
@@ -91,14 +116,20 @@ def build() -> dict:
                         "rank too low for the layer)."
                     ),
                     [
-                        Query((
-                            "histogram_quantile(0.5, "
-                            'job_hook:tensorplay_compression_error_ratio_bucket:rate5m{job=~"$job"})'
-                        ), "p50 · {{hook}} · {{job}}"),
-                        Query((
-                            "histogram_quantile(0.99, "
-                            'job_hook:tensorplay_compression_error_ratio_bucket:rate5m{job=~"$job"})'
-                        ), "p99 · {{hook}} · {{job}}"),
+                        Query(
+                            (
+                                "histogram_quantile(0.5, "
+                                'job_hook:tensorplay_compression_error_ratio_bucket:rate5m{job=~"$job"})'
+                            ),
+                            "p50 · {{hook}} · {{job}}",
+                        ),
+                        Query(
+                            (
+                                "histogram_quantile(0.99, "
+                                'job_hook:tensorplay_compression_error_ratio_bucket:rate5m{job=~"$job"})'
+                            ),
+                            "p99 · {{hook}} · {{job}}",
+                        ),
                     ],
                     Size(12, 8),
                     "percentunit",
@@ -113,8 +144,14 @@ def build() -> dict:
                         "extension): the model, not the compression."
                     ),
                     [
-                        Query('job_hook:tensorplay_nonfinite_elements:increase5m{job=~"$job"}', "made by compression · {{hook}} · {{job}}"),
-                        Query('job_hook:tensorplay_bucket_nonfinite_elements:increase5m{job=~"$job"}', "NaN/inf handed over · {{hook}} · {{job}}"),
+                        Query(
+                            'job_hook:tensorplay_nonfinite_elements:increase5m{job=~"$job"}',
+                            "made by compression · {{hook}} · {{job}}",
+                        ),
+                        Query(
+                            'job_hook:tensorplay_bucket_nonfinite_elements:increase5m{job=~"$job"}',
+                            "NaN/inf handed over · {{hook}} · {{job}}",
+                        ),
                     ],
                     Size(12, 8),
                     "short",
@@ -126,11 +163,15 @@ def build() -> dict:
                         "One or a few: those ranks' gradients (see Most non-finite elements below); all of "
                         "them: the model's scale (use bf16, or a loss scaler)."
                     ),
-                    [Query((
-                        "sum by (job) (\n"
-                        '  sum by (job, rank) (job_rank_hook:tensorplay_nonfinite_elements:increase5m{job=~"$job"}) > bool 0\n'
-                        ")"
-                    ), "{{job}}")],
+                    [Query(
+                        (
+                            "sum by (job) (\n"
+                            '  sum by (job, rank) (job_rank_hook:tensorplay_nonfinite_elements:increase5m{job=~"$job"})'
+                            ' > bool 0\n'
+                            ")"
+                        ),
+                        "{{job}}",
+                    )],
                     Size(12, 4),
                 ),
                 stat(
@@ -150,11 +191,10 @@ def build() -> dict:
                         "rank far above the others sits behind a slow link or NIC; when most ranks are high and "
                         "one is low, the low one is the straggler they wait for (panel beside)."
                     ),
-                    [Query((
-                        'job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}\n'
-                        "and on (job, rank)\n"
-                        'topk($topk, avg_over_time(job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}[$__range] @ end()))'
-                    ), "rank {{rank}} · {{job}}")],
+                    [Query(
+                        worst_over_range('job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}'),
+                        "rank {{rank}} · {{job}}",
+                    )],
                     Size(12, 8),
                     "s",
                     links=rank_link(UID),
@@ -168,11 +208,12 @@ def build() -> dict:
                         "straggler's own latency is the lowest of its job: every other rank waits for it inside "
                         "the collective. Check its compute time on the Stragglers & Join dashboard."
                     ),
-                    [Query((
-                        'job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}\n'
-                        "and on (job, rank)\n"
-                        'bottomk($topk, avg_over_time(job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}[$__range] @ end()))'
-                    ), "rank {{rank}} · {{job}}")],
+                    [Query(
+                        worst_over_range(
+                            'job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}', "bottomk"
+                        ),
+                        "rank {{rank}} · {{job}}",
+                    )],
                     Size(12, 8),
                     "s",
                     links=rank_link(UID),
@@ -184,11 +225,15 @@ def build() -> dict:
                         "over all hooks (none: nothing overflowed). TensorplayGradientOverflow names the worst "
                         "of them."
                     ),
-                    Query((
-                        "topk($topk,\n"
-                        '  sum by (job, rank) (job_rank_hook:tensorplay_nonfinite_elements:increase5m{job=~"$job"}) > 0\n'
-                        ")"
-                    ), "rank {{rank}} · {{job}}"),
+                    Query(
+                        (
+                            "topk($topk,\n"
+                            '  sum by (job, rank) (job_rank_hook:tensorplay_nonfinite_elements:increase5m{job=~"$job"})'
+                            ' > 0\n'
+                            ")"
+                        ),
+                        "rank {{rank}} · {{job}}",
+                    ),
                     Size(24, 8),
                     "short",
                     links=rank_link(UID),
@@ -201,10 +246,13 @@ def build() -> dict:
                         "Telemetry problems training rode over (metrics port taken, exporter down, ...), the "
                         "job's ranks together, by reason. The table beside names the ranks."
                     ),
-                    [Query((
-                        "sum by (job, reason) "
-                        '(increase(tensorplay_telemetry_errors_total{job=~"$job"}[$__rate_interval]))'
-                    ), "{{reason}} · {{job}}")],
+                    [Query(
+                        (
+                            "sum by (job, reason) "
+                            '(increase(tensorplay_telemetry_errors_total{job=~"$job"}[$__rate_interval]))'
+                        ),
+                        "{{reason}} · {{job}}",
+                    )],
                     Size(12, 8),
                     "short",
                 ),
@@ -215,10 +263,12 @@ def build() -> dict:
                         "down, ...), the ranks with the most; none is the normal state. Training was not "
                         "affected, its telemetry was."
                     ),
-                    Query((
-                        "topk($topk, sum by (job, rank, reason) "
-                        '(tensorplay_telemetry_errors_total{job=~"$job"}))'
-                    )),
+                    Query(
+                        (
+                            "topk($topk, sum by (job, rank, reason) "
+                            '(tensorplay_telemetry_errors_total{job=~"$job"}))'
+                        ),
+                    ),
                     Size(12, 8),
                     "errors",
                 ),
@@ -231,11 +281,15 @@ def build() -> dict:
                         "completion, per bucket, for the picked ranks. Click an exemplar (a dot) to open that "
                         "bucket's span in Tempo."
                     ),
-                    [Query((
-                        "histogram_quantile(0.5, sum by (job, rank, hook, le) "
-                        '(rate(tensorplay_allreduce_latency_seconds_bucket{job=~"$job", '
-                        'rank=~"$rank"}[$__rate_interval])))'
-                    ), "rank {{rank}} · {{hook}}", exemplar=True)],
+                    [Query(
+                        (
+                            "histogram_quantile(0.5, sum by (job, rank, hook, le) "
+                            '(rate(tensorplay_allreduce_latency_seconds_bucket{job=~"$job", '
+                            'rank=~"$rank"}[$__rate_interval])))'
+                        ),
+                        "rank {{rank}} · {{hook}}",
+                        exemplar=True,
+                    )],
                     Size(12, 8),
                     "s",
                 ),
@@ -246,11 +300,15 @@ def build() -> dict:
                         "completion, per bucket, for the picked ranks. Click an exemplar (a dot) to open that "
                         "bucket's span in Tempo."
                     ),
-                    [Query((
-                        "histogram_quantile(0.99, sum by (job, rank, hook, le) "
-                        '(rate(tensorplay_allreduce_latency_seconds_bucket{job=~"$job", '
-                        'rank=~"$rank"}[$__rate_interval])))'
-                    ), "rank {{rank}} · {{hook}}", exemplar=True)],
+                    [Query(
+                        (
+                            "histogram_quantile(0.99, sum by (job, rank, hook, le) "
+                            '(rate(tensorplay_allreduce_latency_seconds_bucket{job=~"$job", '
+                            'rank=~"$rank"}[$__rate_interval])))'
+                        ),
+                        "rank {{rank}} · {{hook}}",
+                        exemplar=True,
+                    )],
                     Size(12, 8),
                     "s",
                 ),
@@ -260,10 +318,14 @@ def build() -> dict:
                         "Buckets of tensorplay_allreduce_latency_seconds of the picked ranks; exemplars (dots) "
                         "link to the buckets' spans in Tempo."
                     ),
-                    Query((
-                        'sum by (le) (rate(tensorplay_allreduce_latency_seconds_bucket{job=~"$job", '
-                        'rank=~"$rank"}[$__rate_interval]))'
-                    ), "{{le}}", exemplar=True),
+                    Query(
+                        (
+                            'sum by (le) (rate(tensorplay_allreduce_latency_seconds_bucket{job=~"$job", '
+                            'rank=~"$rank"}[$__rate_interval]))'
+                        ),
+                        "{{le}}",
+                        exemplar=True,
+                    ),
                     Size(12, 8),
                 ),
                 timeseries(
@@ -272,11 +334,7 @@ def build() -> dict:
                         "Mean latency per bucket over all hooks, for the picked ranks. The lowest line is "
                         "usually the rank the others wait for."
                     ),
-                    [Query((
-                        'sum by (job, rank) (rate(tensorplay_allreduce_latency_seconds_sum{job=~"$job", rank=~"$rank"}[$__rate_interval]))\n'
-                        "/\n"
-                        'sum by (job, rank) (rate(tensorplay_allreduce_latency_seconds_count{job=~"$job", rank=~"$rank"}[$__rate_interval]))'
-                    ), "rank {{rank}}")],
+                    [Query(picked_ranks_mean("tensorplay_allreduce_latency_seconds"), "rank {{rank}}")],
                     Size(12, 8),
                     "s",
                 ),
@@ -287,14 +345,20 @@ def build() -> dict:
                         "wire: bytes the hook sent into collectives (after compression)."
                     ),
                     [
-                        Query((
-                            'sum by (job, rank, hook) (rate(tensorplay_bucket_bytes_total{job=~"$job", '
-                            'rank=~"$rank"}[$__rate_interval]))'
-                        ), "handed over · rank {{rank}} · {{hook}}"),
-                        Query((
-                            'sum by (job, rank, hook) (rate(tensorplay_wire_bytes_total{job=~"$job", '
-                            'rank=~"$rank"}[$__rate_interval]))'
-                        ), "on the wire · rank {{rank}} · {{hook}}"),
+                        Query(
+                            (
+                                'sum by (job, rank, hook) (rate(tensorplay_bucket_bytes_total{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "handed over · rank {{rank}} · {{hook}}",
+                        ),
+                        Query(
+                            (
+                                'sum by (job, rank, hook) (rate(tensorplay_wire_bytes_total{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "on the wire · rank {{rank}} · {{hook}}",
+                        ),
                     ],
                     Size(12, 8),
                     "Bps",
@@ -302,22 +366,26 @@ def build() -> dict:
                 timeseries(
                     "Compression ratio by rank",
                     "Handed over ÷ on the wire, for the picked ranks.",
-                    [Query((
-                        'sum by (job, rank, hook) (rate(tensorplay_bucket_bytes_total{job=~"$job", rank=~"$rank"}[$__rate_interval]))\n'
-                        "/\n"
-                        'sum by (job, rank, hook) (rate(tensorplay_wire_bytes_total{job=~"$job", rank=~"$rank"}[$__rate_interval]))'
-                    ), "rank {{rank}} · {{hook}}")],
+                    [Query(
+                        (
+                            'sum by (job, rank, hook) (rate(tensorplay_bucket_bytes_total{job=~"$job", rank=~"$rank"}'
+                            '[$__rate_interval]))\n'
+                            "/\n"
+                            'sum by (job, rank, hook) (rate(tensorplay_wire_bytes_total{job=~"$job", rank=~"$rank"}'
+                            '[$__rate_interval]))'
+                        ),
+                        "rank {{rank}} · {{hook}}",
+                    )],
                     Size(12, 8),
                     "suffix:×",
                 ),
                 timeseries(
                     "Mean compression error by rank and hook",
                     "Mean relative error per sampled bucket, for the picked ranks.",
-                    [Query((
-                        'sum by (job, rank, hook) (rate(tensorplay_compression_error_ratio_sum{job=~"$job", rank=~"$rank"}[$__rate_interval]))\n'
-                        "/\n"
-                        'sum by (job, rank, hook) (rate(tensorplay_compression_error_ratio_count{job=~"$job", rank=~"$rank"}[$__rate_interval]))'
-                    ), "rank {{rank}} · {{hook}}")],
+                    [Query(
+                        picked_ranks_mean("tensorplay_compression_error_ratio", "job, rank, hook"),
+                        "rank {{rank}} · {{hook}}",
+                    )],
                     Size(12, 8),
                     "percentunit",
                 ),
@@ -328,16 +396,22 @@ def build() -> dict:
                         "over, for the picked ranks."
                     ),
                     [
-                        Query((
-                            "sum by (job, rank, hook) "
-                            '(increase(tensorplay_nonfinite_elements_total{job=~"$job", '
-                            'rank=~"$rank"}[$__rate_interval]))'
-                        ), "made by compression · rank {{rank}} · {{hook}}"),
-                        Query((
-                            "sum by (job, rank, hook) "
-                            '(increase(tensorplay_bucket_nonfinite_elements_total{job=~"$job", '
-                            'rank=~"$rank"}[$__rate_interval]))'
-                        ), "NaN/inf handed over · rank {{rank}} · {{hook}}"),
+                        Query(
+                            (
+                                "sum by (job, rank, hook) "
+                                '(increase(tensorplay_nonfinite_elements_total{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "made by compression · rank {{rank}} · {{hook}}",
+                        ),
+                        Query(
+                            (
+                                "sum by (job, rank, hook) "
+                                '(increase(tensorplay_bucket_nonfinite_elements_total{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "NaN/inf handed over · rank {{rank}} · {{hook}}",
+                        ),
                     ],
                     Size(12, 8),
                     "short",

@@ -1,13 +1,19 @@
-"""The Stragglers & Join dashboard."""
+"""The Stragglers & Join dashboard: compute time and the share of every step the job waits for its
+latest rank, the worst ranks, uneven inputs under Join, hangs, and the ranks picked in the per-rank
+row."""
 
 from __future__ import annotations
 
-from .blocks import Query, Row, Size, dashboard, bargauge, heatmap, stat, table, timeseries, rank_link
+from .blocks import (
+    Query, Row, Size, dashboard, picked_ranks_mean, rank_link, worst_over_range,
+    bargauge, heatmap, stat, table, timeseries,
+)
 
 UID = "tensorplay-stragglers-join"
 
 
 def build() -> dict:
+    """The dashboard, rows top to bottom: whole jobs, the worst ranks, then the per-rank row."""
     return dashboard(
         UID,
         "tensorplay / Stragglers & Join",
@@ -29,14 +35,20 @@ def build() -> dict:
                         "backward between the buckets: who the job waits for is the share of every step below."
                     ),
                     [
-                        Query((
-                            "histogram_quantile(0.5, "
-                            'job:tensorplay_step_compute_seconds_bucket:rate5m{job=~"$job"})'
-                        ), "p50 of all steps · {{job}}"),
-                        Query((
-                            "histogram_quantile(0.99, "
-                            'job:tensorplay_step_compute_seconds_bucket:rate5m{job=~"$job"})'
-                        ), "p99 of all steps · {{job}}"),
+                        Query(
+                            (
+                                "histogram_quantile(0.5, "
+                                'job:tensorplay_step_compute_seconds_bucket:rate5m{job=~"$job"})'
+                            ),
+                            "p50 of all steps · {{job}}",
+                        ),
+                        Query(
+                            (
+                                "histogram_quantile(0.99, "
+                                'job:tensorplay_step_compute_seconds_bucket:rate5m{job=~"$job"})'
+                            ),
+                            "p99 of all steps · {{job}}",
+                        ),
                         Query('job:tensorplay_step_compute_seconds:max_mean5m{job=~"$job"}', "slowest rank · {{job}}"),
                     ],
                     Size(12, 8),
@@ -73,7 +85,10 @@ def build() -> dict:
                         "firing: stragglers (8 together: often one slow node). Many: the job is split (half the "
                         "job on slower hardware)."
                     ),
-                    [Query('sum by (job) (job_rank:tensorplay_step_lateness:ratio5m{job=~"$job"} >= bool 0.2)', "{{job}}")],
+                    [Query(
+                        'sum by (job) (job_rank:tensorplay_step_lateness:ratio5m{job=~"$job"} >= bool 0.2)',
+                        "{{job}}",
+                    )],
                     Size(6, 8),
                 ),
                 stat(
@@ -84,8 +99,17 @@ def build() -> dict:
                         "inside Join) or are stuck."
                     ),
                     [
-                        Query('count by (job) (job_rank:tensorplay_last_step_timestamp_seconds:max{job=~"$job"})', "reporting · {{job}}"),
-                        Query('count by (job) (job_rank:tensorplay_step_compute_seconds:mean5m{job=~"$job"})', "computing · {{job}}"),
+                        Query(
+                            (
+                                "count by (job) "
+                                '(job_rank:tensorplay_last_step_timestamp_seconds:max{job=~"$job"})'
+                            ),
+                            "reporting · {{job}}",
+                        ),
+                        Query(
+                            'count by (job) (job_rank:tensorplay_step_compute_seconds:mean5m{job=~"$job"})',
+                            "computing · {{job}}",
+                        ),
                     ],
                     Size(6, 8),
                 ),
@@ -101,11 +125,10 @@ def build() -> dict:
                         "row. The red line is the alert's 20 %. What to do: deploy/RUNBOOK.md, "
                         "TensorplayStragglerRank."
                     ),
-                    [Query((
-                        'job_rank:tensorplay_step_lateness:ratio5m{job=~"$job"}\n'
-                        "and on (job, rank)\n"
-                        'topk($topk, avg_over_time(job_rank:tensorplay_step_lateness:ratio5m{job=~"$job"}[$__range] @ end()))'
-                    ), "rank {{rank}} · {{job}}")],
+                    [Query(
+                        worst_over_range('job_rank:tensorplay_step_lateness:ratio5m{job=~"$job"}'),
+                        "rank {{rank}} · {{job}}",
+                    )],
                     Size(12, 8),
                     "percentunit",
                     min_zero=False,
@@ -121,11 +144,12 @@ def build() -> dict:
                         "straggler's own latency is the lowest of its job: the others wait for it inside the "
                         "collective, so the same ranks should top the score beside."
                     ),
-                    [Query((
-                        'job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}\n'
-                        "and on (job, rank)\n"
-                        'bottomk($topk, avg_over_time(job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}[$__range] @ end()))'
-                    ), "rank {{rank}} · {{job}}")],
+                    [Query(
+                        worst_over_range(
+                            'job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}', "bottomk"
+                        ),
+                        "rank {{rank}} · {{job}}",
+                    )],
                     Size(12, 8),
                     "s",
                     links=rank_link(UID),
@@ -139,10 +163,13 @@ def build() -> dict:
                         "(TensorplayUnevenInputs' threshold): their share of the data was smaller. Even out the "
                         "shards (DistributedSampler, drop_last)."
                     ),
-                    [Query((
-                        'sum by (job) (max by (job, rank) (tensorplay_join_shadow_iterations{job=~"$job"}) >= '
-                        "bool 10)"
-                    ), "{{job}}")],
+                    [Query(
+                        (
+                            'sum by (job) (max by (job, rank) (tensorplay_join_shadow_iterations{job=~"$job"}) '
+                            ">= bool 10)"
+                        ),
+                        "{{job}}",
+                    )],
                     Size(6, 4),
                 ),
                 stat(
@@ -155,8 +182,20 @@ def build() -> dict:
                     "Join wait p50 and p99 across the job's ranks",
                     "Quantiles of the Join waits above (every rank's, every Join since the ranks started).",
                     [
-                        Query('histogram_quantile(0.5, job:tensorplay_join_wait_seconds_bucket:sum{job=~"$job"})', "p50 · {{job}}"),
-                        Query('histogram_quantile(0.99, job:tensorplay_join_wait_seconds_bucket:sum{job=~"$job"})', "p99 · {{job}}"),
+                        Query(
+                            (
+                                "histogram_quantile(0.5, "
+                                'job:tensorplay_join_wait_seconds_bucket:sum{job=~"$job"})'
+                            ),
+                            "p50 · {{job}}",
+                        ),
+                        Query(
+                            (
+                                "histogram_quantile(0.99, "
+                                'job:tensorplay_join_wait_seconds_bucket:sum{job=~"$job"})'
+                            ),
+                            "p99 · {{job}}",
+                        ),
                     ],
                     Size(12, 4),
                     "s",
@@ -180,7 +219,10 @@ def build() -> dict:
                         "The ranks that shadowed the most iterations after running out of inputs (latest Join). "
                         "TensorplayUnevenInputs fires at 10 and names the worst of them."
                     ),
-                    Query('topk($topk, max by (job, rank) (tensorplay_join_shadow_iterations{job=~"$job"}))', "rank {{rank}} · {{job}}"),
+                    Query(
+                        'topk($topk, max by (job, rank) (tensorplay_join_shadow_iterations{job=~"$job"}))',
+                        "rank {{rank}} · {{job}}",
+                    ),
                     Size(12, 8),
                     "short",
                     links=rank_link(UID),
@@ -191,13 +233,16 @@ def build() -> dict:
                         "Time from a rank joining until every rank had joined, averaged over the Joins since "
                         "the rank started: the ranks that idled longest."
                     ),
-                    Query((
-                        "topk($topk,\n"
-                        '  sum by (job, rank) (tensorplay_join_wait_seconds_sum{job=~"$job"})\n'
-                        "  /\n"
-                        '  sum by (job, rank) (tensorplay_join_wait_seconds_count{job=~"$job"})\n'
-                        ")"
-                    ), "rank {{rank}} · {{job}}"),
+                    Query(
+                        (
+                            "topk($topk,\n"
+                            '  sum by (job, rank) (tensorplay_join_wait_seconds_sum{job=~"$job"})\n'
+                            "  /\n"
+                            '  sum by (job, rank) (tensorplay_join_wait_seconds_count{job=~"$job"})\n'
+                            ")"
+                        ),
+                        "rank {{rank}} · {{job}}",
+                    ),
                     Size(12, 8),
                     "s",
                     links=rank_link(UID),
@@ -208,7 +253,13 @@ def build() -> dict:
                         "When the ranks joined, counted from the first rank of their job that did; the latest "
                         "are the ranks with the most inputs."
                     ),
-                    Query('topk($topk, job_rank:tensorplay_join_timestamp_seconds:since_first_join{job=~"$job"})', "rank {{rank}} · {{job}}"),
+                    Query(
+                        (
+                            "topk($topk, "
+                            'job_rank:tensorplay_join_timestamp_seconds:since_first_join{job=~"$job"})'
+                        ),
+                        "rank {{rank}} · {{job}}",
+                    ),
                     Size(12, 8),
                     "s",
                     links=rank_link(UID),
@@ -238,14 +289,20 @@ def build() -> dict:
                         "shortest grows too (TensorplayJobHung)."
                     ),
                     [
-                        Query((
-                            "time() - "
-                            'job:tensorplay_collective_waiting_since_timestamp_seconds:min_waiting{job=~"$job"}'
-                        ), "longest · {{job}}"),
-                        Query((
-                            "time() - "
-                            'job:tensorplay_collective_waiting_since_timestamp_seconds:max_waiting{job=~"$job"}'
-                        ), "shortest · {{job}}"),
+                        Query(
+                            (
+                                "time() - "
+                                'job:tensorplay_collective_waiting_since_timestamp_seconds:min_waiting{job=~"$job"}'
+                            ),
+                            "longest · {{job}}",
+                        ),
+                        Query(
+                            (
+                                "time() - "
+                                'job:tensorplay_collective_waiting_since_timestamp_seconds:max_waiting{job=~"$job"}'
+                            ),
+                            "shortest · {{job}}",
+                        ),
                     ],
                     Size(12, 8),
                     "s",
@@ -257,10 +314,14 @@ def build() -> dict:
                         "completed yet; the longest waits. A rank in no collective is not listed here (see the "
                         "table below)."
                     ),
-                    Query((
-                        "topk($topk, time() - "
-                        '(job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job=~"$job"} > 0))'
-                    ), "rank {{rank}} · {{job}}"),
+                    Query(
+                        (
+                            "topk($topk, time() - "
+                            '(job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job=~"$job"} > '
+                            "0))"
+                        ),
+                        "rank {{rank}} · {{job}}",
+                    ),
                     Size(12, 8),
                     "s",
                     links=rank_link(UID),
@@ -268,11 +329,14 @@ def build() -> dict:
                 stat(
                     "Ranks waiting inside a collective",
                     "How many ranks of the job are inside a traced collective right now.",
-                    [Query((
-                        "sum by (job) "
-                        '(job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job=~"$job"} > '
-                        "bool 0)"
-                    ), "{{job}}")],
+                    [Query(
+                        (
+                            "sum by (job) "
+                            '(job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job=~"$job"} > '
+                            "bool 0)"
+                        ),
+                        "{{job}}",
+                    )],
                     Size(6, 4),
                 ),
                 stat(
@@ -281,11 +345,14 @@ def build() -> dict:
                         "How many ranks of the job are in no traced collective right now (computing, loading "
                         "data, or stuck outside the collective their peers wait in)."
                     ),
-                    [Query((
-                        "sum by (job) "
-                        '(job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job=~"$job"} == '
-                        "bool 0)"
-                    ), "{{job}}")],
+                    [Query(
+                        (
+                            "sum by (job) "
+                            '(job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job=~"$job"} '
+                            "== bool 0)"
+                        ),
+                        "{{job}}",
+                    )],
                     Size(6, 4),
                 ),
                 stat(
@@ -295,10 +362,13 @@ def build() -> dict:
                         "has waited in one for longer (the alert, firing). What to do: deploy/RUNBOOK.md, "
                         "TensorplayRankStalled."
                     ),
-                    [Query((
-                        'count by (job) (ALERTS{alertname="TensorplayRankStalled", alertstate="firing", '
-                        'job=~"$job"})'
-                    ), "{{job}}")],
+                    [Query(
+                        (
+                            'count by (job) (ALERTS{alertname="TensorplayRankStalled", alertstate="firing", '
+                            'job=~"$job"})'
+                        ),
+                        "{{job}}",
+                    )],
                     Size(6, 4),
                     no_value="0",
                 ),
@@ -311,10 +381,13 @@ def build() -> dict:
                         "job is still scraped (more ranks scraped than missing, or the scraped ones waiting for "
                         "it in a collective), and TensorplayJobHung stays silent while any rank is listed here."
                     ),
-                    [Query((
-                        "count by (job) "
-                        '(job_rank:tensorplay_last_step_timestamp_seconds:missing30m{job=~"$job"})'
-                    ), "{{job}}")],
+                    [Query(
+                        (
+                            "count by (job) "
+                            '(job_rank:tensorplay_last_step_timestamp_seconds:missing30m{job=~"$job"})'
+                        ),
+                        "{{job}}",
+                    )],
                     Size(6, 4),
                     no_value="0",
                 ),
@@ -326,13 +399,15 @@ def build() -> dict:
                         "fraction of a step ago. When the job is stuck, the rank it is stuck on is at the top "
                         "with minutes: it never arrived in the collective its peers wait in."
                     ),
-                    Query((
-                        "topk($topk,\n"
-                        '  (time() - job_rank:tensorplay_last_step_timestamp_seconds:max{job=~"$job"})\n'
-                        "  and on (job, rank)\n"
-                        '  (job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job=~"$job"} == 0)\n'
-                        ")"
-                    )),
+                    Query(
+                        (
+                            "topk($topk,\n"
+                            '  (time() - job_rank:tensorplay_last_step_timestamp_seconds:max{job=~"$job"})\n'
+                            "  and on (job, rank)\n"
+                            '  (job_rank:tensorplay_collective_waiting_since_timestamp_seconds:max{job=~"$job"} == 0)\n'
+                            ")"
+                        ),
+                    ),
                     Size(12, 8),
                     "seconds",
                     unit="s",
@@ -345,11 +420,13 @@ def build() -> dict:
                         "since their latest hook call (0: the rank froze before its first one). Their peers "
                         "cannot name them in the panels above: they report nothing."
                     ),
-                    Query((
-                        "topk($topk, time() - "
-                        '(job_rank:tensorplay_last_step_timestamp_seconds:missing30m{job=~"$job"} > 0) or '
-                        'job_rank:tensorplay_last_step_timestamp_seconds:missing30m{job=~"$job"} == 0)'
-                    )),
+                    Query(
+                        (
+                            "topk($topk, time() - "
+                            '(job_rank:tensorplay_last_step_timestamp_seconds:missing30m{job=~"$job"} > 0) or '
+                            'job_rank:tensorplay_last_step_timestamp_seconds:missing30m{job=~"$job"} == 0)'
+                        ),
+                    ),
                     Size(12, 8),
                     "seconds",
                     unit="s",
@@ -365,15 +442,14 @@ def build() -> dict:
                         "Join record no compute."
                     ),
                     [
-                        Query((
-                            'sum by (job, rank) (rate(tensorplay_step_compute_seconds_sum{job=~"$job", rank=~"$rank"}[$__rate_interval]))\n'
-                            "/\n"
-                            'sum by (job, rank) (rate(tensorplay_step_compute_seconds_count{job=~"$job", rank=~"$rank"}[$__rate_interval]))'
-                        ), "rank {{rank}}"),
-                        Query((
-                            "histogram_quantile(0.5, "
-                            'job:tensorplay_step_compute_seconds_bucket:rate5m{job=~"$job"})'
-                        ), "job's median (5m) · {{job}}"),
+                        Query(picked_ranks_mean("tensorplay_step_compute_seconds"), "rank {{rank}}"),
+                        Query(
+                            (
+                                "histogram_quantile(0.5, "
+                                'job:tensorplay_step_compute_seconds_bucket:rate5m{job=~"$job"})'
+                            ),
+                            "job's median (5m) · {{job}}",
+                        ),
                     ],
                     Size(12, 8),
                     "s",
@@ -385,7 +461,10 @@ def build() -> dict:
                         "collective (0 = like its peers). TensorplayStragglerRank fires at 20 % (and ≥ 10 ms "
                         "per step) held for 10 minutes."
                     ),
-                    [Query('job_rank:tensorplay_step_lateness:ratio5m{job=~"$job", rank=~"$rank"}', "rank {{rank}} · {{job}}")],
+                    [Query(
+                        'job_rank:tensorplay_step_lateness:ratio5m{job=~"$job", rank=~"$rank"}',
+                        "rank {{rank}} · {{job}}",
+                    )],
                     Size(12, 8),
                     "percentunit",
                     min_zero=False,
@@ -397,11 +476,7 @@ def build() -> dict:
                         "The picked ranks' mean latency per bucket over all hooks. A straggler's own latency is "
                         "the lowest of its job."
                     ),
-                    [Query((
-                        'sum by (job, rank) (rate(tensorplay_allreduce_latency_seconds_sum{job=~"$job", rank=~"$rank"}[$__rate_interval]))\n'
-                        "/\n"
-                        'sum by (job, rank) (rate(tensorplay_allreduce_latency_seconds_count{job=~"$job", rank=~"$rank"}[$__rate_interval]))'
-                    ), "rank {{rank}}")],
+                    [Query(picked_ranks_mean("tensorplay_allreduce_latency_seconds"), "rank {{rank}}")],
                     Size(12, 8),
                     "s",
                 ),
@@ -414,15 +489,24 @@ def build() -> dict:
                         "mean step time: the same steps, from their duration."
                     ),
                     [
-                        Query((
-                            'sum by (job, rank) (rate(tensorplay_step_compute_seconds_count{job=~"$job", '
-                            'rank=~"$rank"}[$__rate_interval]))'
-                        ), "rank {{rank}}"),
-                        Query((
-                            'max by (job, rank) (rate(tensorplay_steps_total{job=~"$job", '
-                            'rank=~"$rank"}[$__rate_interval]))'
-                        ), "rank {{rank}} · steps ended"),
-                        Query('1 / job_rank:tensorplay_step_seconds:mean5m{job=~"$job", rank=~"$rank"}', "rank {{rank}} · 1 / mean step time (5m)"),
+                        Query(
+                            (
+                                'sum by (job, rank) (rate(tensorplay_step_compute_seconds_count{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "rank {{rank}}",
+                        ),
+                        Query(
+                            (
+                                'max by (job, rank) (rate(tensorplay_steps_total{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "rank {{rank}} · steps ended",
+                        ),
+                        Query(
+                            '1 / job_rank:tensorplay_step_seconds:mean5m{job=~"$job", rank=~"$rank"}',
+                            "rank {{rank}} · 1 / mean step time (5m)",
+                        ),
                     ],
                     Size(12, 8),
                     "short",
@@ -440,11 +524,14 @@ def build() -> dict:
                         "Time from a picked rank joining until all ranks had joined, averaged over the Joins "
                         "since it started."
                     ),
-                    Query((
-                        'sum by (job, rank) (tensorplay_join_wait_seconds_sum{job=~"$job", rank=~"$rank"})\n'
-                        "/\n"
-                        'sum by (job, rank) (tensorplay_join_wait_seconds_count{job=~"$job", rank=~"$rank"})'
-                    ), "rank {{rank}} · {{job}}"),
+                    Query(
+                        (
+                            'sum by (job, rank) (tensorplay_join_wait_seconds_sum{job=~"$job", rank=~"$rank"})\n'
+                            "/\n"
+                            'sum by (job, rank) (tensorplay_join_wait_seconds_count{job=~"$job", rank=~"$rank"})'
+                        ),
+                        "rank {{rank}} · {{job}}",
+                    ),
                     Size(12, 8),
                     "s",
                 ),
@@ -457,8 +544,14 @@ def build() -> dict:
                         "the difference is its share of every step."
                     ),
                     [
-                        Query('job_rank:tensorplay_step_wait_seconds:ratio5m{job=~"$job", rank=~"$rank"}', "rank {{rank}} · {{job}}"),
-                        Query('job:tensorplay_step_wait_seconds:peers_median_ratio5m{job=~"$job"}', "peers' median · {{job}}"),
+                        Query(
+                            'job_rank:tensorplay_step_wait_seconds:ratio5m{job=~"$job", rank=~"$rank"}',
+                            "rank {{rank}} · {{job}}",
+                        ),
+                        Query(
+                            'job:tensorplay_step_wait_seconds:peers_median_ratio5m{job=~"$job"}',
+                            "peers' median · {{job}}",
+                        ),
                     ],
                     Size(12, 8),
                     "percentunit",
