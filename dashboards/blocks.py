@@ -9,6 +9,7 @@ the panels in order and flows them left to right, 24 columns wide, a row header 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Literal, NamedTuple, Sequence
 
 Json = dict[str, Any]
@@ -61,14 +62,17 @@ _LINKS: list[Json] = [
 ]
 
 
-def _label_values_variable(name: str, label: str, selector: str, current: Json, **settings: Any) -> Json:
+def _label_values_variable(
+    name: str, label: str, selector: str, current: Json, description: str | None = None, **settings: Any
+) -> Json:
+    """A multi-value variable listing the values of label ``name`` on ``selector``."""
     query = f"label_values({selector}, {name})"
     return {
         "name": name,
         "label": label,
         "type": "query",
         "datasource": DATASOURCE,
-        **({"description": settings.pop("description")} if "description" in settings else {}),
+        **({"description": description} if description is not None else {}),
         "definition": query,
         "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
         "current": current,
@@ -158,7 +162,7 @@ def _layout(rows: Sequence[Row]) -> list[Json]:
     wrap at 24 columns below the tallest of their line; a row header takes a line of its own. A
     collapsed row nests its panels; an open row is followed by them."""
     out: list[Json] = []
-    ids = iter(range(1, 10**6))
+    ids = itertools.count(1)
     x = y = line_height = 0
 
     def place(panel: Json) -> Json:
