@@ -3,8 +3,9 @@ its variables, one builder per panel kind with the options every panel of that k
 query, the link that opens a rank in the per-rank row, and the layout (ids and grid positions).
 
 A panel builder takes what says what the panel means -- title, description, queries, unit,
-thresholds, size -- and returns the panel without ``id`` and ``gridPos``; :func:`dashboard` numbers
-the panels in order and flows them left to right, 24 columns wide, a row header starting a new line.
+thresholds, size -- and returns the panel with its size where ``id`` and ``gridPos`` go;
+:func:`dashboard` numbers the panels in order and flows them left to right, 24 columns wide, a row
+header starting a new line.
 """
 
 from __future__ import annotations
