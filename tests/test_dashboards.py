@@ -72,6 +72,15 @@ def test_the_two_dashboards_are_there():
 
 
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
+def test_committed_dashboard_is_the_generators_output(path: Path):
+    """dashboards/*.json are written by dashboards/generate.py, never by hand."""
+    from dashboards import generate
+
+    assert set(generate.DASHBOARDS) == set(IDS)
+    assert path.read_text(encoding="utf-8") == generate.render(path.name), "run: python -m dashboards.generate"
+
+
+@pytest.mark.parametrize("path", PATHS, ids=IDS)
 def test_dashboard_header(path: Path):
     dashboard = load_dashboard(path)
     assert dashboard["uid"] == EXPECTED[path.name] and len(dashboard["uid"]) <= 40

@@ -1,0 +1,421 @@
+"""The Communication dashboard: DDP gradient communication, job first, then the worst ranks,
+telemetry errors and the ranks picked in the per-rank row."""
+
+from __future__ import annotations
+
+from .blocks import (
+    Query, Row, Size, dashboard, picked_ranks_mean, rank_link, worst_over_range,
+    bargauge, heatmap, stat, table, timeseries,
+)
+
+UID = "tensorplay-communication"
+
+
+def build() -> dict:
+    """The dashboard, rows top to bottom: whole jobs, the worst ranks, then the per-rank row."""
+    return dashboard(
+        UID,
+        "tensorplay / Communication",
+        (
+            "DDP gradient communication of whole jobs first: allreduce latency quantiles and distribution per "
+            "hook, bytes handed over vs on the wire, compression ratio and error, non-finite elements; then the "
+            "worst ranks (top-k, stable over the time range), telemetry errors, and a collapsed per-rank row "
+            "for the ranks you pick (exemplars link to traces there)."
+        ),
+        ["tensorplay", "ddp"],
+        [
+            Row("Job: latency, bytes and compression, all ranks together", [
+                timeseries(
+                    "Allreduce latency p50 and p99 by hook (job, 5m)",
+                    (
+                        "Latency of one bucket's communication (launch of the hook's first collective to "
+                        "completion of its last) over every rank of the job, per hook, in the last 5 minutes "
+                        "(recorded by the tensorplay.dashboards rules). p99 far above p50: some buckets or "
+                        "ranks are slow; the Worst ranks row names them. A straggler makes every other rank "
+                        "wait inside the collective, which raises this too: compare with the Stragglers & Join "
+                        "dashboard. Exemplars (links to traces) are on the per-rank row."
+                    ),
+                    [
+                        Query(
+                            (
+                                'job_hook_quantile:tensorplay_allreduce_latency_seconds:quantile5m{job=~"$job", '
+                                'quantile="0.5"}'
+                            ),
+                            "p50 · {{hook}} · {{job}}",
+                        ),
+                        Query(
+                            (
+                                'job_hook_quantile:tensorplay_allreduce_latency_seconds:quantile5m{job=~"$job", '
+                                'quantile="0.99"}'
+                            ),
+                            "p99 · {{hook}} · {{job}}",
+                        ),
+                    ],
+                    Size(12, 8),
+                    "s",
+                ),
+                heatmap(
+                    "Allreduce latency distribution (job, 5m)",
+                    (
+                        "Buckets per second in each latency bucket, every rank and hook of the selected jobs "
+                        "together, over 5 minutes. One band is a healthy job. A second band higher up is a set "
+                        "of slow buckets: a slow link, or the peers of a straggler waiting for it."
+                    ),
+                    Query(
+                        (
+                            "sum by (le) "
+                            '(job_hook:tensorplay_allreduce_latency_seconds_bucket:rate5m{job=~"$job"})'
+                        ),
+                        "{{le}}",
+                    ),
+                    Size(12, 8),
+                ),
+                timeseries(
+                    "Bytes/s handed to hooks vs sent on the wire, by hook (job)",
+                    (
+                        "The job's ranks together, over 5 minutes. Handed over: gradient bucket bytes DDP gave "
+                        "the hook. On the wire: bytes the hook sent into collectives (after compression). Per "
+                        "rank: the per-rank row."
+                    ),
+                    [
+                        Query(
+                            'job_hook:tensorplay_bucket_bytes:rate5m{job=~"$job"}',
+                            "handed over · {{hook}} · {{job}}",
+                        ),
+                        Query(
+                            'job_hook:tensorplay_wire_bytes:rate5m{job=~"$job"}', "on the wire · {{hook}} · {{job}}"
+                        ),
+                    ],
+                    Size(12, 8),
+                    "Bps",
+                ),
+                timeseries(
+                    "Compression ratio by hook (job)",
+                    (
+                        "How many bytes of gradient each byte on the wire carries, the job's ranks together: 1 "
+                        "for allreduce_hook, about 2 for fp16/bf16, much more for PowerSGD. A drop means the "
+                        "hook compresses less than it should (a wrapper fell back, a PowerSGD rank changed)."
+                    ),
+                    [Query(
+                        (
+                            'job_hook:tensorplay_bucket_bytes:rate5m{job=~"$job"}\n'
+                            "/\n"
+                            'job_hook:tensorplay_wire_bytes:rate5m{job=~"$job"}'
+                        ),
+                        "{{hook}} · {{job}}",
+                    )],
+                    Size(12, 8),
+                    "suffix:×",
+                ),
+                timeseries(
+                    "Compression relative error p50 / p99 by hook (job, 5m)",
+                    (
+                        "‖x − x̂‖₂ / ‖x‖₂ of each rank's contribution, per bucket, on the steps the hook "
+                        "samples, over every rank of the job. Gaps are windows without a sampled step. A p99 "
+                        "far above p50: some buckets compress badly (fp16 near its range limits, a PowerSGD "
+                        "rank too low for the layer)."
+                    ),
+                    [
+                        Query(
+                            (
+                                "histogram_quantile(0.5, "
+                                'job_hook:tensorplay_compression_error_ratio_bucket:rate5m{job=~"$job"})'
+                            ),
+                            "p50 · {{hook}} · {{job}}",
+                        ),
+                        Query(
+                            (
+                                "histogram_quantile(0.99, "
+                                'job_hook:tensorplay_compression_error_ratio_bucket:rate5m{job=~"$job"})'
+                            ),
+                            "p99 · {{hook}} · {{job}}",
+                        ),
+                    ],
+                    Size(12, 8),
+                    "percentunit",
+                ),
+                timeseries(
+                    "Non-finite elements by hook (job, 5m)",
+                    (
+                        "Elements that were finite before compression and inf/NaN after (fp16 overflow), the "
+                        "job's ranks together, in the last 5 minutes; anything above 0 raises "
+                        "TensorplayGradientOverflow. NaN/inf handed over: elements already non-finite in the "
+                        "buckets DDP gave compressing hooks (tensorplay_bucket_nonfinite_elements_total, an "
+                        "extension): the model, not the compression."
+                    ),
+                    [
+                        Query(
+                            'job_hook:tensorplay_nonfinite_elements:increase5m{job=~"$job"}',
+                            "made by compression · {{hook}} · {{job}}",
+                        ),
+                        Query(
+                            'job_hook:tensorplay_bucket_nonfinite_elements:increase5m{job=~"$job"}',
+                            "NaN/inf handed over · {{hook}} · {{job}}",
+                        ),
+                    ],
+                    Size(12, 8),
+                    "short",
+                ),
+                stat(
+                    "Ranks whose compression made non-finite elements (5m)",
+                    (
+                        "How many ranks of the job made at least one non-finite element in the last 5 minutes. "
+                        "One or a few: those ranks' gradients (see Most non-finite elements below); all of "
+                        "them: the model's scale (use bf16, or a loss scaler)."
+                    ),
+                    [Query(
+                        (
+                            "sum by (job) (\n"
+                            '  sum by (job, rank) (job_rank_hook:tensorplay_nonfinite_elements:increase5m{job=~"$job"})'
+                            ' > bool 0\n'
+                            ")"
+                        ),
+                        "{{job}}",
+                    )],
+                    Size(12, 4),
+                ),
+                stat(
+                    "Non-finite elements since the ranks started",
+                    "Total over the job's ranks and hooks (counters restart with the processes).",
+                    [Query('sum by (job) (tensorplay_nonfinite_elements_total{job=~"$job"})', "{{job}}")],
+                    Size(12, 4),
+                ),
+            ]),
+            Row("Worst ranks (the $topk highest or lowest over the time range)", [
+                timeseries(
+                    "Highest mean allreduce latency (top $topk ranks)",
+                    (
+                        "Mean latency per bucket over all hooks (5m). The same ranks at every point of the time "
+                        "range: those whose mean latency over the whole range is the highest ($topk of them, "
+                        "the Worst ranks shown variable). Click a line to open that rank in the per-rank row. A "
+                        "rank far above the others sits behind a slow link or NIC; when most ranks are high and "
+                        "one is low, the low one is the straggler they wait for (panel beside)."
+                    ),
+                    [Query(
+                        worst_over_range('job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}'),
+                        "rank {{rank}} · {{job}}",
+                    )],
+                    Size(12, 8),
+                    "s",
+                    links=rank_link(UID),
+                ),
+                timeseries(
+                    "Lowest mean allreduce latency (bottom $topk ranks)",
+                    (
+                        "Mean latency per bucket over all hooks (5m). The same ranks at every point of the time "
+                        "range: those whose mean latency over the whole range is the lowest ($topk of them, the "
+                        "Worst ranks shown variable). Click a line to open that rank in the per-rank row. A "
+                        "straggler's own latency is the lowest of its job: every other rank waits for it inside "
+                        "the collective. Check its compute time on the Stragglers & Join dashboard."
+                    ),
+                    [Query(
+                        worst_over_range(
+                            'job_rank:tensorplay_allreduce_latency_seconds:mean5m{job=~"$job"}', "bottomk"
+                        ),
+                        "rank {{rank}} · {{job}}",
+                    )],
+                    Size(12, 8),
+                    "s",
+                    links=rank_link(UID),
+                ),
+                bargauge(
+                    "Most non-finite elements made in 5m (top $topk ranks)",
+                    (
+                        "The ranks whose compression made the most non-finite elements in the last 5 minutes, "
+                        "over all hooks (none: nothing overflowed). TensorplayGradientOverflow names the worst "
+                        "of them."
+                    ),
+                    Query(
+                        (
+                            "topk($topk,\n"
+                            '  sum by (job, rank) (job_rank_hook:tensorplay_nonfinite_elements:increase5m{job=~"$job"})'
+                            ' > 0\n'
+                            ")"
+                        ),
+                        "rank {{rank}} · {{job}}",
+                    ),
+                    Size(24, 8),
+                    "short",
+                    links=rank_link(UID),
+                ),
+            ]),
+            Row("Telemetry", [
+                timeseries(
+                    "Telemetry errors by reason (job)",
+                    (
+                        "Telemetry problems training rode over (metrics port taken, exporter down, ...), the "
+                        "job's ranks together, by reason. The table beside names the ranks."
+                    ),
+                    [Query(
+                        (
+                            "sum by (job, reason) "
+                            '(increase(tensorplay_telemetry_errors_total{job=~"$job"}[$__rate_interval]))'
+                        ),
+                        "{{reason}} · {{job}}",
+                    )],
+                    Size(12, 8),
+                    "short",
+                ),
+                table(
+                    "Ranks with the most telemetry errors (top $topk)",
+                    (
+                        "Telemetry problems each rank rode over since it started (metrics port taken, exporter "
+                        "down, ...), the ranks with the most; none is the normal state. Training was not "
+                        "affected, its telemetry was."
+                    ),
+                    Query(
+                        (
+                            "topk($topk, sum by (job, rank, reason) "
+                            '(tensorplay_telemetry_errors_total{job=~"$job"}))'
+                        ),
+                    ),
+                    Size(12, 8),
+                    "errors",
+                ),
+            ]),
+            Row("Per-rank detail (the ranks picked in the Rank variable)", [
+                timeseries(
+                    "Allreduce latency p50 by rank and hook",
+                    (
+                        "p50 of the time from a hook's first collective launch to its last collective's "
+                        "completion, per bucket, for the picked ranks. Click an exemplar (a dot) to open that "
+                        "bucket's span in Tempo."
+                    ),
+                    [Query(
+                        (
+                            "histogram_quantile(0.5, sum by (job, rank, hook, le) "
+                            '(rate(tensorplay_allreduce_latency_seconds_bucket{job=~"$job", '
+                            'rank=~"$rank"}[$__rate_interval])))'
+                        ),
+                        "rank {{rank}} · {{hook}}",
+                        exemplar=True,
+                    )],
+                    Size(12, 8),
+                    "s",
+                ),
+                timeseries(
+                    "Allreduce latency p99 by rank and hook",
+                    (
+                        "p99 of the time from a hook's first collective launch to its last collective's "
+                        "completion, per bucket, for the picked ranks. Click an exemplar (a dot) to open that "
+                        "bucket's span in Tempo."
+                    ),
+                    [Query(
+                        (
+                            "histogram_quantile(0.99, sum by (job, rank, hook, le) "
+                            '(rate(tensorplay_allreduce_latency_seconds_bucket{job=~"$job", '
+                            'rank=~"$rank"}[$__rate_interval])))'
+                        ),
+                        "rank {{rank}} · {{hook}}",
+                        exemplar=True,
+                    )],
+                    Size(12, 8),
+                    "s",
+                ),
+                heatmap(
+                    "Allreduce latency distribution of the picked ranks",
+                    (
+                        "Buckets of tensorplay_allreduce_latency_seconds of the picked ranks; exemplars (dots) "
+                        "link to the buckets' spans in Tempo."
+                    ),
+                    Query(
+                        (
+                            'sum by (le) (rate(tensorplay_allreduce_latency_seconds_bucket{job=~"$job", '
+                            'rank=~"$rank"}[$__rate_interval]))'
+                        ),
+                        "{{le}}",
+                        exemplar=True,
+                    ),
+                    Size(12, 8),
+                ),
+                timeseries(
+                    "Mean allreduce latency by rank",
+                    (
+                        "Mean latency per bucket over all hooks, for the picked ranks. The lowest line is "
+                        "usually the rank the others wait for."
+                    ),
+                    [Query(picked_ranks_mean("tensorplay_allreduce_latency_seconds"), "rank {{rank}}")],
+                    Size(12, 8),
+                    "s",
+                ),
+                timeseries(
+                    "Bytes/s handed to hooks vs sent on the wire, by rank",
+                    (
+                        "For the picked ranks. Handed over: gradient bucket bytes DDP gave the hook. On the "
+                        "wire: bytes the hook sent into collectives (after compression)."
+                    ),
+                    [
+                        Query(
+                            (
+                                'sum by (job, rank, hook) (rate(tensorplay_bucket_bytes_total{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "handed over · rank {{rank}} · {{hook}}",
+                        ),
+                        Query(
+                            (
+                                'sum by (job, rank, hook) (rate(tensorplay_wire_bytes_total{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "on the wire · rank {{rank}} · {{hook}}",
+                        ),
+                    ],
+                    Size(12, 8),
+                    "Bps",
+                ),
+                timeseries(
+                    "Compression ratio by rank",
+                    "Handed over ÷ on the wire, for the picked ranks.",
+                    [Query(
+                        (
+                            'sum by (job, rank, hook) (rate(tensorplay_bucket_bytes_total{job=~"$job", rank=~"$rank"}'
+                            '[$__rate_interval]))\n'
+                            "/\n"
+                            'sum by (job, rank, hook) (rate(tensorplay_wire_bytes_total{job=~"$job", rank=~"$rank"}'
+                            '[$__rate_interval]))'
+                        ),
+                        "rank {{rank}} · {{hook}}",
+                    )],
+                    Size(12, 8),
+                    "suffix:×",
+                ),
+                timeseries(
+                    "Mean compression error by rank and hook",
+                    "Mean relative error per sampled bucket, for the picked ranks.",
+                    [Query(
+                        picked_ranks_mean("tensorplay_compression_error_ratio", "job, rank, hook"),
+                        "rank {{rank}} · {{hook}}",
+                    )],
+                    Size(12, 8),
+                    "percentunit",
+                ),
+                timeseries(
+                    "Non-finite elements by rank",
+                    (
+                        "Elements compression made non-finite, and NaN/inf already in the buckets DDP handed "
+                        "over, for the picked ranks."
+                    ),
+                    [
+                        Query(
+                            (
+                                "sum by (job, rank, hook) "
+                                '(increase(tensorplay_nonfinite_elements_total{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "made by compression · rank {{rank}} · {{hook}}",
+                        ),
+                        Query(
+                            (
+                                "sum by (job, rank, hook) "
+                                '(increase(tensorplay_bucket_nonfinite_elements_total{job=~"$job", '
+                                'rank=~"$rank"}[$__rate_interval]))'
+                            ),
+                            "NaN/inf handed over · rank {{rank}} · {{hook}}",
+                        ),
+                    ],
+                    Size(12, 8),
+                    "short",
+                ),
+            ], collapsed=True),
+        ],
+    )
