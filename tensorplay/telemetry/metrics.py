@@ -269,15 +269,17 @@ def active_metrics() -> TensorplayMetrics | None:
 
 
 def wait_for_final_scrape(timeout_s: float | None = None) -> bool:
-    """Keep serving until Prometheus has read this rank's metrics once more; True once it has.
+    """Keep serving until every Prometheus scraping this rank has read it once more; True once they have.
 
     Call it at the very end of a job (after :func:`~tensorplay.telemetry.flush`), so the last
     values -- the final ``Join`` figures above all -- reach Prometheus before the process exits.
-    It waits for one Prometheus scrape (one carrying ``X-Prometheus-Scrape-Timeout-Seconds``)
-    that starts after the call, at most ``timeout_s`` seconds; by default 1.5 times the interval
-    between the last two scrapes plus a second, or a minute when only one was seen. It returns
-    False at once when nothing is served or Prometheus never scraped this rank: there is nobody
-    to wait for.
+    It waits until each scraper still scraping the rank (an HA pair's two replicas, Prometheus
+    and an agent: see :class:`~tensorplay.telemetry.server.ScrapeLog`) has completed a scrape
+    (one carrying ``X-Prometheus-Scrape-Timeout-Seconds``) that started after the call, at most
+    ``timeout_s`` seconds; by default 1.5 times the longest interval between two scrapes of one
+    scraper plus a second, or a minute when no scraper was seen twice. It returns False when the
+    time ran out (a scraper went away), and at once when nothing is served or Prometheus never
+    scraped this rank: there is nobody to wait for.
     """
     server = _server
     if server is None or not server.scrapes.seen():
