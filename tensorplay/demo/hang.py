@@ -28,6 +28,7 @@ __all__ = ["RankStateWriter", "HangWatch", "HangReport", "attribute_hang", "EXIT
 
 EXIT_HUNG = 3
 _WRITE_EVERY_S = 0.25
+_JOIN_TIMEOUT_S = 5.0  # a thread stuck on a slow filesystem must not keep the rank from finishing
 
 
 class RankStateWriter:
@@ -57,7 +58,7 @@ class RankStateWriter:
         temporary file, and the loser's rename fails.
         """
         self._stop.set()
-        self._thread.join()
+        self._thread.join(_JOIN_TIMEOUT_S)  # still writing after that: the lock below keeps the writes apart
         self._finished = True
         self._write()
 
@@ -158,7 +159,7 @@ class HangWatch:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(_JOIN_TIMEOUT_S)
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
