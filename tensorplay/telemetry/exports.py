@@ -127,7 +127,7 @@ def _warn_once(destination: str, what: str) -> None:
     _logger.warning(
         "tensorplay: rank %s: cannot export spans to %s (%s); training goes on, and spans that cannot be "
         "delivered are dropped and counted in tensorplay_telemetry_errors_total{reason=\"span_export_failed\"}. "
-        "Without a collector, use configure_tracing(otlp=False, span_file=f\"spans-rank{rank}.jsonl\") or set "
+        "Without a collector, use configure_tracing(otlp=False, span_file=\"spans-rank{rank}.jsonl\") or set "
         "OTEL_TRACES_EXPORTER=none",
         rank_label(), destination, _without_retry_plan(what),
     )
