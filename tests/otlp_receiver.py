@@ -18,6 +18,7 @@ Not a test module: test files import it.
 from __future__ import annotations
 
 import gzip
+import socket
 import threading
 import time
 import zlib
@@ -159,8 +160,18 @@ class OtlpReceiver:
     def _start_http(self) -> Callable[[], None]:
         receiver = self
 
+        connections: set[socket.socket] = set()
+
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keeps connections open between exports, as collectors do
+
+            def setup(self) -> None:
+                super().setup()
+                connections.add(self.connection)
+
+            def finish(self) -> None:
+                connections.discard(self.connection)
+                super().finish()
 
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -196,6 +207,11 @@ class OtlpReceiver:
         def stop() -> None:
             server.shutdown()
             server.server_close()
+            for connection in list(connections):  # a collector that goes away closes its connections too
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             thread.join(10)
 
         return stop
