@@ -103,8 +103,10 @@ class CountingExporter(SpanExporter):
         the child's copies sends nothing to the collector (the parent's copies keep the
         connections open) and the next export connects afresh.
         """
-        transport = getattr(getattr(self._inner, "_client", None), "_transport", None)
-        close = getattr(transport, "close", None)
+        # Where the pool lives: the HTTP client's transport (SDK 1.45), the exporter's own
+        # requests session (earlier releases). Another exporter keeps what it has.
+        pool = getattr(getattr(self._inner, "_client", None), "_transport", None) or getattr(self._inner, "_session", None)
+        close = getattr(pool, "close", None)
         if close is not None:
             close()
 
