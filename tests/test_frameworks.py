@@ -202,6 +202,7 @@ def test_lightning_callback_refuses_what_it_cannot_serve(lightning_spawn_run: Pa
     refusals = json.loads((lightning_spawn_run / "refusals.json").read_text())
     assert refusals["single device"].startswith("TypeError: TracedCommHook registers a DDP communication hook")
     assert "SingleDeviceStrategy" in refusals["single device"]
+    assert refusals["single device, not fitting"] == ["accepted"] * 3  # validate, test, predict
     assert refusals["not a DDP model"].startswith("TypeError: TracedCommHook: the strategy's model is a Linear")
     assert refusals["strategy hook too"] == ["DDPStrategy(ddp_comm_hook=..., ddp_comm_wrapper=...) is set as well as TracedCommHook"]
     assert refusals["bad option"] == "ValueError"

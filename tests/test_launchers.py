@@ -26,6 +26,7 @@ from tensorplay import traced
 from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tensorplay.telemetry import TensorplayMetrics
 
+from .otlp_receiver import OtlpReceiver
 from .ranks import free_port
 from .training import passthrough, train
 
@@ -157,6 +158,99 @@ def test_a_forked_child_serves_its_own_metrics_and_ends_its_spans(tmp_path: Path
     assert hooks.count("allreduce_hook") >= 1  # the parent's, exported before the fork
 
 
+_FORK_AFTER_OWN_REGISTRY_SCRIPT = r"""
+import json, multiprocessing, os, socket, sys
+import prometheus_client, torch
+import torch.distributed as dist
+from opentelemetry import trace
+from tensorplay import traced
+from tensorplay.telemetry import configure_tracing, enable_metrics, flush
+
+collector, store_port, out = sys.argv[1:]
+collector_port = int(collector.rsplit(":", 1)[1])
+
+
+def local_hook(state, bucket):
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class Bucket:
+    def buffer(self): return torch.ones(16)
+    def index(self): return 0
+    def is_last(self): return True
+    def parameters(self): return []
+
+
+def train_and_export(calls):
+    hook = traced(local_hook)
+    for _ in range(calls):
+        hook(None, Bucket()).wait()
+    flush(10)
+    trace.get_tracer_provider().force_flush(30_000)  # the collector refuses: a failed export
+
+
+def connections_to_collector():
+    found = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            found += sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getpeername()[1] == collector_port
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return found
+
+
+def child():
+    outcome = {"connections": connections_to_collector()}
+    try:
+        enable_metrics(registry=prometheus_client.REGISTRY, serve=False)
+        train_and_export(3)
+        body = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
+        outcome["served"] = [line for line in body.splitlines() if line.startswith("tensorplay_bucket_bytes_total")]
+    except Exception as error:
+        outcome["error"] = repr(error)
+    with open(out, "w") as sink:
+        json.dump(outcome, sink)
+
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=0, world_size=1)
+configure_tracing(endpoint=collector)
+enable_metrics(registry=prometheus_client.REGISTRY, serve=False)  # served from the application's endpoint
+train_and_export(1)
+print("parent connections", connections_to_collector(), flush=True)
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join(60)
+print("child exit code", process.exitcode, flush=True)
+"""
+
+
+def test_a_child_forked_after_metrics_on_the_applications_registry_starts_afresh(tmp_path: Path) -> None:
+    """The child's own metrics on the same registry, its own connections, its own one warning."""
+    out = tmp_path / "child.json"
+    with OtlpReceiver("http/protobuf", answering=False) as collector:  # every export fails
+        run = subprocess.run(
+            [sys.executable, "-c", _FORK_AFTER_OWN_REGISTRY_SCRIPT, collector.endpoint, str(free_port()), str(out)],
+            capture_output=True, text=True, timeout=150, cwd=Path(__file__).parent.parent,
+            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1", "OMP_NUM_THREADS": "1"},
+        )
+    assert "child exit code 0" in run.stdout, run.stderr[-3000:]
+    assert "parent connections 1" in run.stdout  # the exporter keeps its connection open
+    child = json.loads(out.read_text())
+    assert child.get("error") is None, child
+    assert child["connections"] == 0  # the parent's connection is not the child's
+    assert child["served"] == ['tensorplay_bucket_bytes_total{hook="local_hook",rank="0"} 192.0']  # 3 calls, its own
+    warnings = [line for line in run.stderr.splitlines() if "cannot export spans" in line]
+    assert len(warnings) == 2, run.stderr[-3000:]  # the parent's, and the child's own
+
+
 _NO_COLLECTOR_SCRIPT = r'''
 import atexit, sys, time
 atexit.register(lambda: print("exit hooks done", time.monotonic(), flush=True))  # runs last
@@ -187,5 +281,6 @@ def test_no_collector_costs_the_exit_no_retries_and_prints_one_line() -> None:
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     tensorplay_lines = [line for line in lines if "tensorplay" in line]
     assert len(tensorplay_lines) == 1 and "cannot export spans" in tensorplay_lines[0], lines
-    assert "otlp=False" in tensorplay_lines[0]  # what to do without a collector
+    assert 'otlp=False, span_file="spans-rank{rank}.jsonl"' in tensorplay_lines[0]  # a file per rank, as written
+    assert "retrying in" not in tensorplay_lines[0]  # it says "dropped"; the exporter's retry plan is not the news
     assert not [line for line in lines if "Transient error" in line and not line.startswith("tensorplay")], lines

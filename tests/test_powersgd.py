@@ -328,15 +328,15 @@ def _call(hook: Callable, state: PowerSGDState, bucket: _Bucket, recorder: Optio
 
 def _iteration(rank: int, step: int, hook: Callable, state: PowerSGDState, wants_error: Optional[bool]) -> dict[str, Any]:
     """Run both buckets of one iteration; return per bucket its input, result, recorder, copies."""
-    out: dict[str, Any] = {"inputs": [], "recorders": [], "clones": [], "done_before_next": []}
+    out: dict[str, Any] = {"inputs": [], "recorders": [], "clones": [], "previous launched once next called": []}
     futures = []
     for index, shapes in enumerate(SHAPES):
-        if futures:
-            out["done_before_next"].append(futures[-1].done())
         bucket = _Bucket(index, len(SHAPES), shapes, seed=100 * rank + 10 * step + index)
         recorder = None if wants_error is None else _Recorder(wants_error)
         out["inputs"].append(bucket.buffer().clone())
         future, clones = _call(hook, state, bucket, recorder)
+        if out["recorders"] and out["recorders"][-1] is not None:
+            out["previous launched once next called"].append(list(out["recorders"][-1].launched))
         futures.append(future)
         out["recorders"].append(recorder)
         out["clones"].append(clones)
@@ -357,7 +357,11 @@ def _check_error_feedback_reports(rank: int, facts: dict[str, Any]) -> None:
         it = _iteration(rank, step, powerSGD_hook, state, wants_error=False)
         expected = [[n for n in (u, p, q) if n] for u, p, q in zip(UNCOMPRESSED_NUMEL, P_NUMEL, Q_NUMEL)]
         facts[f"iteration {step} collectives"] = [r.launched for r in it["recorders"]] == expected
-        facts[f"iteration {step} bucket 0 waits for bucket 1's call"] = it["done_before_next"][0] is False
+        # What the hook guarantees, unlike whether bucket 0's future is still pending then (a race):
+        # a hook call launches nothing before the previous bucket's second round is out.
+        facts[f"iteration {step} bucket 0's rounds are out once bucket 1's call returns"] = (
+            it["previous launched once next called"] == [expected[0]]
+        )
         reports = [r.compressions for r in it["recorders"]]
         facts[f"iteration {step} one report per bucket"] = all(len(c) == 1 and c[0]["kind"] == "powersgd" for c in reports)
         for index, (report,) in enumerate(reports):

@@ -54,7 +54,7 @@ def _seeded_runs(rank: int, world_size: int, span_dir: str, metrics_port: int) -
     random.seed(0)
     untouched = random.getstate()
     span_file = Path(f"{span_dir}/spans-rank{rank}.jsonl")
-    provider = configure_tracing(span_file=str(span_file), otlp=False)
+    provider = configure_tracing(span_file=f"{span_dir}/spans-rank{{rank}}.jsonl", otlp=False)  # the advice, as written
     enable_metrics(port=metrics_port, addr="127.0.0.1")
     same_state = random.getstate() == untouched
     runs = []
@@ -99,19 +99,25 @@ def test_tensorplay_neither_reads_nor_advances_random(seeded_ranks: list[dict[st
     assert {outcome["generator"] for outcome in seeded_ranks} == {"SystemRandomIdGenerator"}
 
 
-def test_configure_tracing_replaces_the_default_generator_of_the_applications_provider(
+def test_configure_tracing_leaves_the_applications_provider_and_its_seeded_ids_alone(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """The application's tracers keep following ``random.seed``; tensorplay's own draw from the OS."""
     provider = TracerProvider()  # the application's, set before configure_tracing runs
     monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
     assert configure_tracing(span_file=str(tmp_path / "spans.jsonl"), otlp=False) is provider
-    assert type(provider.id_generator) is SystemRandomIdGenerator
+    assert type(provider.id_generator) is RandomIdGenerator
+    application_tracer = provider.get_tracer("my.training")
+
+    def seeded_ids() -> list[int]:
+        random.seed(0)
+        return [application_tracer.start_span("train_step").get_span_context().span_id for _ in range(3)]
+
+    assert seeded_ids() == seeded_ids()  # the same seed, the same IDs: as the application set it up
     random.seed(0)
     state = random.getstate()
-    application_tracer = provider.get_tracer("my.training")
-    for _ in range(3):
-        application_tracer.start_span("train_step").end()
-    assert random.getstate() == state
+    tensorplay_span = tracer(provider).start_span("tensorplay.comm_hook")
+    assert random.getstate() == state and tensorplay_span.get_span_context().span_id not in seeded_ids()
 
 
 class _CountingIds(IdGenerator):

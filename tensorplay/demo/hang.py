@@ -32,6 +32,7 @@ __all__ = ["RankStateWriter", "HangWatch", "HangReport", "EXIT_HUNG"]
 EXIT_HUNG = 3
 _WRITE_EVERY_S = 0.25
 _STACK_FRAMES = 12  # the innermost frames of a stalled training thread: where it is stuck
+_JOIN_TIMEOUT_S = 5.0  # a thread stuck on a slow filesystem must not keep the rank from finishing
 
 
 class RankStateWriter:
@@ -62,7 +63,7 @@ class RankStateWriter:
         temporary file, and the loser's rename fails.
         """
         self._stop.set()
-        self._thread.join()
+        self._thread.join(_JOIN_TIMEOUT_S)  # still writing after that: the lock below keeps the writes apart
         self._finished = True
         self._write()
 
@@ -170,7 +171,7 @@ class HangWatch:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(_JOIN_TIMEOUT_S)
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):

@@ -69,7 +69,13 @@ class TracedCommHook(pl.Callback):
         traced(hook, **self.traced_options)  # refuse bad arguments here, where the Trainer is built
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse a strategy that is not DDP, and warn if the strategy registers a hook of its own."""
+        """When fitting: refuse a strategy that is not DDP, and warn if it registers a hook of its own.
+
+        ``validate``, ``test`` and ``predict`` run no backward pass, so no communication hook: the
+        callback lets them run on any strategy, a single device included.
+        """
+        if stage != "fit":
+            return
         strategy = trainer.strategy
         if not isinstance(strategy, DDPStrategy):
             raise TypeError(

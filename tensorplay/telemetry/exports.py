@@ -3,10 +3,13 @@
 Each exporter :func:`~tensorplay.telemetry.configure_tracing` sets up is wrapped in a
 :class:`CountingExporter`: every failed export is counted in
 ``tensorplay_telemetry_errors_total{reason="span_export_failed"}``, the first one gives one
-tensorplay warning (the OTLP exporter's own per-retry lines are folded into it), and at exit the
-exports are bounded: an exporter that failed, or fails an attempt, is shut at once, and one still
-exporting ``EXIT_EXPORT_S`` after exit began is shut then, which ends its retries. Without that, a job
-without a collector would wait out the exporter's retry back-off (about 5 s per rank) at exit.
+tensorplay warning per process (the OTLP exporter's own per-attempt lines are folded into it).
+
+At exit the provider's final export goes to every exporter, whatever failed earlier in the job,
+so a collector that went away and came back still gets the job's last spans. The exit is bounded
+all the same: an exporter whose attempt fails during exit is shut at once (no retry back-off is
+worth the wait), and one still exporting ``EXIT_EXPORT_S`` after exit began is shut then. A
+collector that never comes back costs the exit one failed attempt per exporter.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -26,8 +30,12 @@ __all__ = ["CountingExporter", "EXIT_EXPORT_S", "fold_exporter_logs"]
 
 _logger = logging.getLogger(__name__)
 
-EXIT_EXPORT_S = 1.0
-"""How long exports may go on at exit before the exporters still at it are shut."""
+EXIT_EXPORT_S = 3.0
+"""How long exports may go on at exit before the exporters still at it are shut.
+
+It bounds an export that waits to retry when exit begins (its retry reaches a collector that came
+back within this time), and several batches to a slow collector.
+"""
 
 # Where the OTLP exporters log each failed attempt and retry.
 _EXPORTER_LOGGERS = (
@@ -50,10 +58,10 @@ class CountingExporter(SpanExporter):
         self._destination = destination
         self._shut = False
         self._shut_lock = threading.Lock()
-        self.failed = False
-        """Whether an export has failed (the destination is not there, or not well)."""
         self.exporting_since: float | None = None
         """When the export in progress began (monotonic), None between exports."""
+        self.exporting_thread: int | None = None
+        """The thread running the export in progress (the batch processor's), None between exports."""
         _exporters.add(self)
         _bound_exports_at_exit()
 
@@ -61,6 +69,7 @@ class CountingExporter(SpanExporter):
         if self._shut:
             result = SpanExportResult.FAILURE
         else:
+            self.exporting_thread = threading.get_ident()
             self.exporting_since = time.monotonic()
             try:
                 result = self._inner.export(spans)
@@ -70,8 +79,8 @@ class CountingExporter(SpanExporter):
                 result = SpanExportResult.FAILURE
             finally:
                 self.exporting_since = None
+                self.exporting_thread = None
         if result is not SpanExportResult.SUCCESS:
-            self.failed = True
             _warn_once(self._destination, "the export failed")
             _count_export_failure()
         return result
@@ -85,6 +94,21 @@ class CountingExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._inner.force_flush(timeout_millis)
+
+    def close_inherited_connections(self) -> None:
+        """In a forked child: drop the parent's pooled connections, so the child opens its own.
+
+        The OTLP/HTTP exporter keeps its connections to the collector open between exports; a
+        child writing on the parent's connection would interleave requests on one socket. Closing
+        the child's copies sends nothing to the collector (the parent's copies keep the
+        connections open) and the next export connects afresh.
+        """
+        # Where the pool lives: the HTTP client's transport (SDK 1.45), the exporter's own
+        # requests session (earlier releases). Another exporter keeps what it has.
+        pool = getattr(getattr(self._inner, "_client", None), "_transport", None) or getattr(self._inner, "_session", None)
+        close = getattr(pool, "close", None)
+        if close is not None:
+            close()
 
 
 def _count_export_failure() -> None:
@@ -103,11 +127,20 @@ def _warn_once(destination: str, what: str) -> None:
     from .metrics import rank_label
 
     _logger.warning(
-        "tensorplay: rank %s: cannot export spans to %s (%s); training goes on, spans are dropped and counted "
-        "in tensorplay_telemetry_errors_total{reason=\"span_export_failed\"}. Without a collector, use "
-        "configure_tracing(otlp=False, span_file=...) or set OTEL_TRACES_EXPORTER=none",
-        rank_label(), destination, what,
+        "tensorplay: rank %s: cannot export spans to %s (%s); training goes on, and spans that cannot be "
+        "delivered are dropped and counted in tensorplay_telemetry_errors_total{reason=\"span_export_failed\"}. "
+        "Without a collector, use configure_tracing(otlp=False, span_file=\"spans-rank{rank}.jsonl\") or set "
+        "OTEL_TRACES_EXPORTER=none",
+        rank_label(), destination, _without_retry_plan(what),
     )
+
+
+_RETRY_PLAN = re.compile(r",? retrying in [0-9.]+ ?s")
+
+
+def _without_retry_plan(message: str) -> str:
+    """The exporter's reason, without its ", retrying in 1.03s": the warning covers every attempt."""
+    return _RETRY_PLAN.sub("", message).strip().rstrip(".")
 
 
 class _FoldIntoOneWarning(logging.Filter):
@@ -117,7 +150,7 @@ class _FoldIntoOneWarning(logging.Filter):
         if record.levelno >= logging.WARNING:
             _warn_once("the OTLP collector", record.getMessage())
             if _exiting.is_set():  # a failed attempt at exit: no retry is worth the wait
-                _shut_exports_still_running()
+                _shut_exporter_on(record.thread)
         _logger.debug("tensorplay: OTLP exporter: %s", record.getMessage())
         return False
 
@@ -147,13 +180,18 @@ def _bound_exports_at_exit() -> None:
 
 
 def _bound_exports() -> None:
+    """At exit, before the provider's final export: from now on a failed attempt shuts its exporter."""
     _exiting.set()
-    for exporter in list(_exporters):
-        if exporter.failed:
-            exporter.shutdown()
     timer = threading.Timer(EXIT_EXPORT_S, _shut_exports_still_running)
     timer.daemon = True
     timer.start()
+
+
+def _shut_exporter_on(thread: int | None) -> None:
+    """Shut the exporter whose export runs on ``thread`` (the one whose attempt just failed)."""
+    for exporter in list(_exporters):
+        if thread is not None and exporter.exporting_thread == thread:
+            exporter.shutdown()
 
 
 def _shut_exports_still_running() -> None:
@@ -162,9 +200,13 @@ def _shut_exports_still_running() -> None:
             exporter.shutdown()
 
 
-def _renew_lock_after_fork() -> None:
-    global _registration_lock
+def _start_afresh_after_fork() -> None:
+    """In a forked child: its own one warning, its own connections, a lock no parent thread holds."""
+    global _registration_lock, _warned
     _registration_lock = threading.Lock()
+    _warned = threading.Event()
+    for exporter in list(_exporters):
+        exporter.close_inherited_connections()
 
 
-os.register_at_fork(after_in_child=_renew_lock_after_fork)
+os.register_at_fork(after_in_child=_start_afresh_after_fork)

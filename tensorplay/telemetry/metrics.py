@@ -141,7 +141,12 @@ class TensorplayMetrics:
             "Telemetry problems that training rode over (port taken, exporter down, a failing listener).",
             ("rank", "reason"), registry=r,
         )
-        self.registry.register(_WithoutCreated(families))  # after the families: names are checked here
+        self._served = _WithoutCreated(families)
+        self.registry.register(self._served)  # after the families: names are checked here
+
+    def withdraw(self) -> None:
+        """Take these families out of ``registry`` (whose endpoint then no longer serves them)."""
+        self.registry.unregister(self._served)
 
     def count_error(self, rank: int, reason: str) -> None:
         """Count a telemetry problem that training went on through."""
@@ -264,15 +269,17 @@ def active_metrics() -> TensorplayMetrics | None:
 
 
 def wait_for_final_scrape(timeout_s: float | None = None) -> bool:
-    """Keep serving until Prometheus has read this rank's metrics once more; True once it has.
+    """Keep serving until every Prometheus scraping this rank has read it once more; True once they have.
 
     Call it at the very end of a job (after :func:`~tensorplay.telemetry.flush`), so the last
     values -- the final ``Join`` figures above all -- reach Prometheus before the process exits.
-    It waits for one Prometheus scrape (one carrying ``X-Prometheus-Scrape-Timeout-Seconds``)
-    that starts after the call, at most ``timeout_s`` seconds; by default 1.5 times the interval
-    between the last two scrapes plus a second, or a minute when only one was seen. It returns
-    False at once when nothing is served or Prometheus never scraped this rank: there is nobody
-    to wait for.
+    It waits until each scraper still scraping the rank (an HA pair's two replicas, Prometheus
+    and an agent: see :class:`~tensorplay.telemetry.server.ScrapeLog`) has completed a scrape
+    (one carrying ``X-Prometheus-Scrape-Timeout-Seconds``) that started after the call, at most
+    ``timeout_s`` seconds; by default 1.5 times the longest interval between two scrapes of one
+    scraper plus a second, or a minute when no scraper was seen twice. It returns False when the
+    time ran out (a scraper went away), and at once when nothing is served or Prometheus never
+    scraped this rank: there is nobody to wait for.
     """
     server = _server
     if server is None or not server.scrapes.seen():
@@ -292,13 +299,19 @@ def _forget_the_parents_metrics() -> None:
     """In a forked child: start as a fresh process would, with metrics off and no endpoint.
 
     The parent's server thread did not come along, so its server object serves nothing; its
-    listening socket is closed here so the child does not hold the parent's port. The child turns
-    metrics on again as any process does (``enable_metrics``, or ``TENSORPLAY_METRICS_PORT``).
+    listening socket is closed here so the child does not hold the parent's port. The parent's
+    families leave the registry they were in: where that is the application's own
+    (``enable_metrics(registry=prometheus_client.REGISTRY)``), the child's endpoint would serve
+    the parent's frozen counts, and the child's own ``enable_metrics`` could not register its
+    families beside them (``Duplicated timeseries``). The child turns metrics on again as any
+    process does (``enable_metrics``, or ``TENSORPLAY_METRICS_PORT``).
     """
     global _lock, _active, _server, _env_checked
     _lock = threading.Lock()
     if _server is not None:
         _server.abandon()
+    if _active is not None:
+        _active.withdraw()
     _active = None
     _server = None
     _env_checked = False

@@ -1,11 +1,14 @@
 """A small HTTP endpoint that serves one registry on ``/metrics`` and nothing else.
 
-A connection that sends nothing (or stops mid-request) is closed after ``REQUEST_TIMEOUT_S``, so
-no client can hold one of the training process's threads for good.
+No client can hold one of the training process's threads for good: a request must arrive whole
+within ``REQUEST_TIMEOUT_S`` of the connection (a client that sends nothing, or trickles a byte at
+a time, is closed then), each write of the answer must be taken within as long again, and at most
+``MAX_CONNECTIONS`` connections are served at once (one more is closed at once, unanswered).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import threading
@@ -16,24 +19,58 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-__all__ = ["MetricsServer", "ScrapeLog", "REQUEST_TIMEOUT_S"]
+__all__ = ["MetricsServer", "ScrapeLog", "REQUEST_TIMEOUT_S", "MAX_CONNECTIONS"]
 
 _logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 15.0
-"""How long a connection may stay silent (waiting for its request, or for a read) before it is closed.
+"""How long a connection may take to send its whole request, and then to take the answer.
 
 Prometheus sends its request at once and reads the answer within its scrape timeout (10 s by
-default), so only a client that connects and stalls ever meets this limit.
+default), so only a client that connects and stalls, or trickles, ever meets this limit.
 """
+
+MAX_CONNECTIONS = 16
+"""Connections served at once (a thread each): scrapers, an HA pair, a person's curl, with room."""
+
+_MAX_REQUEST_BYTES = 65536
+"""A scrape's request line and headers are a few hundred bytes; more is no scrape."""
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """Keep scrapes out of the training job's stderr, and give every connection a time limit."""
+    """Keep scrapes out of the training job's stderr, and give every request one deadline."""
 
     def setup(self) -> None:
-        self.timeout = self.server.request_timeout_s  # type: ignore[attr-defined]
         super().setup()
+        self._deadline = time.monotonic() + self.server.request_timeout_s  # type: ignore[attr-defined]
+        stream, self.rfile = self.rfile, io.BytesIO(self._read_request_head())
+        stream.close()  # the socket stays open: the server closes it once the answer is sent
+
+    def _read_request_head(self) -> bytes:
+        """Read up to the end of the headers before the deadline (a GET has no body); else b"".
+
+        The socket's own timeout applies to each read, so a client sending a byte a second would
+        never meet it: the time left to the deadline is set before every read instead.
+        """
+        head = b""
+        while b"\r\n\r\n" not in head and len(head) < _MAX_REQUEST_BYTES:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                return b""
+            self.connection.settimeout(left)
+            try:
+                piece = self.connection.recv(4096)
+            except OSError:  # timed out, or reset
+                return b""
+            if not piece:
+                break
+            head += piece
+        return head
+
+    def handle(self) -> None:
+        """Answer the request read in :meth:`setup`; each write of the answer gets the timeout in full."""
+        self.connection.settimeout(self.server.request_timeout_s)  # type: ignore[attr-defined]
+        super().handle()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
         pass
@@ -42,6 +79,24 @@ class _QuietHandler(WSGIRequestHandler):
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     request_timeout_s = REQUEST_TIMEOUT_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection on a thread of its own if a slot is free; else close it at once."""
+        if not self._slots.acquire(blocking=False):
+            _logger.debug("tensorplay: %d metrics connections open; closed one from %s", MAX_CONNECTIONS, client_address)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that timed out or went away is no news for the training job's stderr."""
@@ -52,47 +107,83 @@ class _IPv6ThreadingServer(_ThreadingServer):
     address_family = socket.AF_INET6
 
 
+class _Scraper:
+    """What one scraper's scrapes of this rank looked like: enough to wait for its next one."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.latest_completed = 0
+        self.completed_at: list[float] = []  # the last two completion times (monotonic)
+
+    def interval_s(self) -> float | None:
+        return None if len(self.completed_at) < 2 else self.completed_at[1] - self.completed_at[0]
+
+    def still_scraping(self, now: float, patience_s: float) -> bool:
+        """Whether it scraped lately: within two of its intervals, or ``patience_s`` if one scrape was seen."""
+        if not self.completed_at:
+            return False
+        interval = self.interval_s()
+        return now - self.completed_at[-1] <= (patience_s if interval is None else 2 * interval + 1.0)
+
+
 class ScrapeLog:
-    """When Prometheus read ``/metrics``: enough to wait for one more scrape that sees the final values.
+    """When each scraper read ``/metrics``: enough to wait until every one has seen the final values.
 
     Only scrapes that carry Prometheus' ``X-Prometheus-Scrape-Timeout-Seconds`` header count
-    (Prometheus, and the agents built on its scraper, send it); a person's curl does not.
+    (Prometheus, and the agents built on its scraper, send it); a person's curl does not. A
+    scraper is told apart by its address, user agent and scrape timeout: two replicas of an HA
+    pair (two pods), or Prometheus and an agent, are two scrapers. Two alike in all three (same
+    host, version and configuration) count as one. At most ``MAX_SCRAPERS`` are remembered.
     """
+
+    MAX_SCRAPERS = 8
+    PATIENCE_S = 60.0
+    """How long a scraper seen once counts as still scraping."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        self._started = 0
-        self._latest_completed = 0
-        self._completed_at: list[float] = []  # the last two completion times
+        self._scrapers: dict[tuple[str, ...], _Scraper] = {}
 
-    def started(self) -> int:
+    def started(self, scraper: tuple[str, ...]) -> tuple[_Scraper, int]:
+        """Note that ``scraper`` began a scrape; return what :meth:`completed` takes."""
         with self._changed:
-            self._started += 1
-            return self._started
+            found = self._scrapers.pop(scraper, None) or _Scraper()
+            self._scrapers[scraper] = found  # the latest to scrape last: the oldest go first
+            while len(self._scrapers) > self.MAX_SCRAPERS:
+                del self._scrapers[next(iter(self._scrapers))]
+            found.started += 1
+            return found, found.started
 
-    def completed(self, sequence: int) -> None:
+    def completed(self, scrape: tuple[_Scraper, int]) -> None:
+        scraper, sequence = scrape
         with self._changed:
-            self._latest_completed = max(self._latest_completed, sequence)
-            self._completed_at = [*self._completed_at[-1:], time.monotonic()]
+            scraper.latest_completed = max(scraper.latest_completed, sequence)
+            scraper.completed_at = [*scraper.completed_at[-1:], time.monotonic()]
             self._changed.notify_all()
 
     def seen(self) -> int:
-        """How many of the last two scrapes were seen (0, 1 or 2)."""
+        """How many of its last two scrapes the busiest scraper completed (0, 1 or 2)."""
         with self._changed:
-            return len(self._completed_at)
+            return max((len(s.completed_at) for s in self._scrapers.values()), default=0)
 
     def interval_s(self) -> float | None:
-        """Seconds between the last two scrapes, or None before two were seen."""
+        """The longest interval between two scrapes of one scraper still scraping; None before any."""
         with self._changed:
-            if len(self._completed_at) < 2:
-                return None
-            return self._completed_at[1] - self._completed_at[0]
+            now = time.monotonic()
+            intervals = [s.interval_s() for s in self._scrapers.values() if s.still_scraping(now, self.PATIENCE_S)]
+            return max((i for i in intervals if i is not None), default=None)
 
     def wait_for_next(self, timeout_s: float) -> bool:
-        """Wait until a scrape that started after this call has completed; False on timeout."""
+        """Wait until every scraper still scraping completed a scrape that started after this call.
+
+        False when ``timeout_s`` ran out first (one of them went away, or none is scraping).
+        """
         with self._changed:
-            after = self._started
-            return self._changed.wait_for(lambda: self._latest_completed > after, timeout_s)
+            now = time.monotonic()
+            waited_for = [(s, s.started) for s in self._scrapers.values() if s.still_scraping(now, self.PATIENCE_S)]
+            if not waited_for:
+                return False
+            return self._changed.wait_for(lambda: all(s.latest_completed > after for s, after in waited_for), timeout_s)
 
 
 def _only_metrics(app: Callable, scrapes: ScrapeLog) -> Callable:
@@ -103,11 +194,12 @@ def _only_metrics(app: Callable, scrapes: ScrapeLog) -> Callable:
         if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
             start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
             return [b""]
-        if "HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS" not in environ:
+        timeout = environ.get("HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS")
+        if timeout is None:
             return app(environ, start_response)
-        sequence = scrapes.started()
+        scrape = scrapes.started((environ.get("REMOTE_ADDR", ""), environ.get("HTTP_USER_AGENT", ""), timeout))
         body = app(environ, start_response)  # the exposition is rendered here, in full
-        return _CompletedOnceSent(body, lambda: scrapes.completed(sequence))
+        return _CompletedOnceSent(body, lambda: scrapes.completed(scrape))
 
     return serve
 

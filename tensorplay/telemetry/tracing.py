@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from tensorplay import __version__
 
 from .exports import CountingExporter, fold_exporter_logs
+from .metrics import rank_label
 from .names import TRACER_NAME
 
 __all__ = ["tracer", "configure_tracing", "JsonLinesSpanExporter", "SystemRandomIdGenerator"]
@@ -156,21 +157,28 @@ def configure_tracing(
             exporter's localhost default). An http base URL gets ``/v1/traces`` appended.
         protocol: ``http/protobuf`` or ``grpc`` (default: ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``,
             else ``http/protobuf``).
-        span_file: also append spans as JSON lines to this file.
+        span_file: also append spans as JSON lines to this file. ``{rank}`` in it is replaced by
+            this process's rank (as for the Resource below), so
+            ``span_file="spans-rank{rank}.jsonl"`` gives every rank its own file, the names
+            ``tensorplay report`` reads.
         otlp: set to False to export to ``span_file`` only (``OTEL_TRACES_EXPORTER=none`` does the
-            same). Without a collector, that is the set-up to use.
+            same). Without a collector, that is the set-up to use:
+            ``configure_tracing(otlp=False, span_file="spans-rank{rank}.jsonl")``.
         resource_attributes: more Resource attributes.
 
     Spans leave through a batch processor: a collector that is down or slow drops spans (each
     failed export counted in ``tensorplay_telemetry_errors_total``, one warning per process) and
-    never blocks training; at exit, exports that fail or go on past a second are cut short.
+    never blocks training. At exit the final spans go to every exporter, so a collector that came
+    back gets them; an attempt that fails at exit ends its exporter's retries, and exports still
+    going 3 s after exit began are cut short (:mod:`tensorplay.telemetry.exports`).
     If the application already set an SDK provider, the exporters are added to it.
 
-    Trace and span IDs are drawn from the operating system (:class:`SystemRandomIdGenerator`),
-    so they are unique across ranks and runs however the script seeds Python's ``random``, and
-    tracing never advances that seed's sequence. A provider the application set keeps an ID
-    generator it chose; if it has the SDK's default (which draws from ``random``), that one is
-    replaced, for the tracers it hands out from then on.
+    tensorplay's spans take their trace and span IDs from the operating system
+    (:class:`SystemRandomIdGenerator`), so they are unique across ranks and runs however the
+    script seeds Python's ``random``, and tracing never advances that seed's sequence. A provider
+    the application set is left as it is: its own tracers keep the ID generator it has (the SDK's
+    default follows ``random.seed``), and only tensorplay's tracer draws from the operating system
+    (see :func:`tracer`).
 
     Calling it again is harmless: it returns the same provider and adds only exporters that no
     earlier call added to it (an OTLP exporter per endpoint and protocol, one per span file), so
@@ -178,9 +186,7 @@ def configure_tracing(
     """
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
-        provider = current
-        if _draws_from_random(provider):
-            provider.id_generator = _SYSTEM_IDS
+        provider = current  # as the application made it: its own tracers keep its ID generator
     else:
         provider = TracerProvider(resource=_resource(service_name, resource_attributes), id_generator=_SYSTEM_IDS)
         trace.set_tracer_provider(provider)
@@ -197,7 +203,7 @@ def configure_tracing(
             endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default OTLP endpoint",
         )
     if span_file is not None:
-        path = os.path.abspath(span_file)
+        path = os.path.abspath(span_file.replace("{rank}", rank_label()))
         _add_once(provider, ("file", path), lambda: JsonLinesSpanExporter(path), path)
     return provider
 
@@ -234,8 +240,6 @@ def _resource(service_name: str | None, resource_attributes: dict[str, object] |
     no ``RANK``), else from torchrun's ``RANK`` and ``WORLD_SIZE``.
     """
     import torch.distributed as dist
-
-    from .metrics import rank_label
 
     attributes: dict[str, object] = {"tensorplay.rank": int(rank_label())}
     if dist.is_available() and dist.is_initialized():

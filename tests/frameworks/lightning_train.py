@@ -72,6 +72,15 @@ class Regression(pl.LightningModule):
         inputs, targets = batch
         return nn.functional.mse_loss(self.net(inputs), targets)
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -111,7 +120,8 @@ def _refusal(call: Any) -> str:
 
 
 def check_refusals(out_dir: str) -> None:
-    """A Trainer without DDP, a model that is not DDP, a strategy with a hook of its own, a bad option."""
+    """A Trainer without DDP (refused to fit, free to validate, test, predict), a model that is not DDP,
+    a strategy with a hook of its own, a bad option."""
     single = pl.Trainer(accelerator="cpu", devices=1, callbacks=[TracedCommHook(bf16_compress_hook)], max_steps=1,
                         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False)
     data = DataLoader(TensorDataset(torch.zeros(8, 16), torch.zeros(8, 4)), batch_size=8)
@@ -122,6 +132,12 @@ def check_refusals(out_dir: str) -> None:
         TracedCommHook(bf16_compress_hook).setup(both, None, "fit")  # type: ignore[arg-type]
     refusals = {
         "single device": _refusal(lambda: single.fit(Regression(out_dir, "refused"), data)),
+        # No backward pass, no hook: the callback stands aside wherever the strategy is not DDP.
+        "single device, not fitting": [
+            _refusal(lambda: single.validate(Regression(out_dir, "validated"), data, verbose=False)),
+            _refusal(lambda: single.test(Regression(out_dir, "tested"), data, verbose=False)),
+            _refusal(lambda: single.predict(Regression(out_dir, "predicted"), data)),
+        ],
         "not a DDP model": _refusal(lambda: TracedCommHook(bf16_compress_hook).on_fit_start(not_ddp, None)),
         "strategy hook too": [str(w.message).split(":")[0] for w in caught if issubclass(w.category, RuntimeWarning)],
         "bad option": _refusal(lambda: TracedCommHook(bf16_compress_hook, error_every=-1)).split(":")[0],
