@@ -109,7 +109,7 @@ def span_files(source: Path) -> list[Path]:
     files = sorted(path for path in source.glob("*.jsonl") if path.is_file())
     if not files:
         raise NoSpans(f"no span files (*.jsonl) in {source}; a run writes them with "
-                      "configure_tracing(span_file=...) or tensorplay demo --run-dir")
+                      "configure_tracing(span_file='spans-rank{rank}.jsonl') or tensorplay demo --run-dir")
     return files
 
 
