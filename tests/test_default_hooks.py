@@ -4,60 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks as torch_debugging
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
 
-from tensorplay.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from .parity_cases import compare_default_hooks
 from .ranks import run_ranks
-from .training import count_buckets, passthrough, train
-
-# (name, tensorplay hook, torch hook); bf16 names go through a pass-through, see training.py.
-PAIRS = [
-    ("allreduce_hook", default_hooks.allreduce_hook, torch_default.allreduce_hook),
-    ("fp16_compress_hook", default_hooks.fp16_compress_hook, torch_default.fp16_compress_hook),
-    ("bf16_compress_hook", passthrough(default_hooks.bf16_compress_hook), passthrough(torch_default.bf16_compress_hook)),
-    (
-        "fp16_compress_wrapper(allreduce_hook)",
-        default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
-        torch_default.fp16_compress_wrapper(torch_default.allreduce_hook),
-    ),
-    (
-        "bf16_compress_wrapper(allreduce_hook)",
-        passthrough(default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)),
-        passthrough(torch_default.bf16_compress_wrapper(torch_default.allreduce_hook)),
-    ),
-    ("noop_hook", debugging_hooks.noop_hook, torch_debugging.noop_hook),
-]
-
-
-def _compare_with_torch(rank: int, world_size: int) -> dict:
-    report = {"buckets": count_buckets(rank)}
-    for name, ours, theirs in PAIRS:
-        mine = train(rank, ours)
-        reference = train(rank, theirs)
-        report[name] = all(torch.equal(a, b) for a, b in zip(mine, reference))
-    no_hook = train(rank, None)
-    with_hook = train(rank, default_hooks.allreduce_hook)
-    if world_size & (world_size - 1) == 0:
-        report["allreduce_hook == no hook"] = all(torch.equal(a, b) for a, b in zip(with_hook, no_hook))
-    else:
-        # Without a hook DDP multiplies by 1/world_size instead of dividing (torch's own
-        # allreduce_hook differs from it the same way): equal to rounding, not bit for bit.
-        report["allreduce_hook ~= no hook"] = all(
-            torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(with_hook, no_hook)
-        )
-    # The compression must actually change something, or the comparison proves nothing.
-    report["fp16 differs from fp32"] = not all(
-        torch.equal(a, b) for a, b in zip(train(rank, default_hooks.fp16_compress_hook), no_hook)
-    )
-    return report
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_hooks_equal_torch_bit_for_bit(world_size: int) -> None:
-    reports = run_ranks(_compare_with_torch, world_size)
+    reports = run_ranks(compare_default_hooks, world_size)
     for rank, report in enumerate(reports):
         assert report.pop("buckets") >= 3, f"rank {rank}: the model must span several buckets"
         failed = [name for name, equal in report.items() if not equal]

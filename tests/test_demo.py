@@ -16,15 +16,15 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from tensorplay.analysis.straggler import SHARE_THRESHOLD
+from tensorplay.demo.rundir import RunDir
 
-from .demo_runs import Demo, has_sample, scrape
-from .ranks import free_base_port
+from .demo_runs import Demo, has_sample, scrape, start_demo
+from .sink import MemorySink
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,7 +53,7 @@ def _assert_ran(demo: Demo, world_size: int) -> None:
     assert "training 100%" in demo.stderr  # the launcher showed the ranks' progress
     assert sorted(demo.scraped) == list(range(world_size)), "a rank's /metrics did not answer during the run"
     for rank in range(world_size):
-        assert (demo.run_dir / f"spans-rank{rank}.jsonl").stat().st_size > 0
+        assert RunDir(demo.run_dir).spans(rank).stat().st_size > 0
     assert [row["rank"] for row in demo.table()] == [str(r) for r in range(world_size)]
 
 
@@ -101,23 +101,17 @@ def test_three_ranks_uneven_inputs_are_no_straggler(three_ranks_uneven: Demo) ->
 
 
 def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
-    port = free_base_port(2)
-    run_dir = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tensorplay", "demo", "--steps", "100000", "--metrics-port", str(port),
-         "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not all(scrape(port + rank) for rank in range(2)):  # both ranks are up and training
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=30)
-    assert process.returncode == 130
-    assert "interrupted; every rank stopped" in stderr
-    assert "Traceback" not in stderr
-    assert scrape(port) is None and scrape(port + 1) is None  # the ranks are gone
+    demo = start_demo(tmp_path, 2, "--steps", "100000")
+    try:
+        demo.wait_for("both ranks up and training", lambda: all(scrape(demo.port + r) for r in range(2)), 60)
+        demo.process.send_signal(signal.SIGINT)
+        stopped = demo.finish(30)
+    finally:
+        demo.stop()
+    assert stopped.returncode == 130
+    assert "interrupted; every rank stopped" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert scrape(demo.port) is None and scrape(demo.port + 1) is None  # the ranks are gone
 
 
 BAD_FLAGS = [
@@ -152,16 +146,13 @@ def test_console_script_runs_the_same_cli() -> None:
         assert flag in result.stdout
 
 
-def test_a_ranks_final_state_write_does_not_race_its_writer_thread(tmp_path: Path, monkeypatch) -> None:
+def test_a_ranks_final_state_write_does_not_race_its_writer_thread(tmp_path: Path, monkeypatch, sink: MemorySink) -> None:
     """A rank's last state write (training over) and its writer thread's periodic one used to share
     one temporary file: when the thread renamed it first, the rank's own rename failed and the rank
     died at the end of a finished run. Here the final write holds its temporary file for longer
     than the thread's period, as a loaded machine does."""
-    from prometheus_client import CollectorRegistry
-
     from tensorplay.demo import hang
-    from tensorplay.demo.rundir import RunDir, read_json, write_json
-    from tensorplay.telemetry import TensorplayMetrics
+    from tensorplay.demo.rundir import read_json, write_json
 
     thread_wrote = threading.Event()
 
@@ -177,8 +168,8 @@ def test_a_ranks_final_state_write_does_not_race_its_writer_thread(tmp_path: Pat
         os.replace(partial, path)
 
     monkeypatch.setattr(hang, "write_json", slow_final_write)
-    run_dir = RunDir(str(tmp_path))
-    writer = hang.RankStateWriter(run_dir, 0, TensorplayMetrics(CollectorRegistry()))
+    run_dir = RunDir(tmp_path)
+    writer = hang.RankStateWriter(run_dir, 0, sink.metrics)
     assert thread_wrote.wait(timeout=5)  # the thread is writing every period
     writer.finished()
     assert read_json(run_dir.state(0))["finished"] is True

@@ -26,6 +26,7 @@ from tensorplay.analysis.span_reader import read_spans
 from tensorplay.analysis.straggler import SHARE_THRESHOLD
 from tensorplay.analysis.summary import ModelSummary, summarize
 from tensorplay.cli import main
+from tensorplay.demo.rundir import RunDir
 from tensorplay.report import build_report
 from tensorplay.report.build import ModelReport, Report
 from tensorplay.report.cli import demo_report_line
@@ -39,8 +40,9 @@ from .ranks import run_ranks
 pytestmark = pytest.mark.timeout(180)
 
 
-def _results(demo: Demo) -> list[dict]:
-    return [json.loads(path.read_text()) for path in sorted(demo.run_dir.glob("result-rank*.json"))]
+def _results(demo: Demo, world_size: int) -> list[dict]:
+    """Each rank's result file, in rank order."""
+    return [json.loads(RunDir(demo.run_dir).result(rank).read_text()) for rank in range(world_size)]
 
 
 def _only_model(report: Report) -> ModelReport:
@@ -90,7 +92,7 @@ def test_straggler_line_is_highest_and_verdict_is_the_demos(two_ranks_straggler:
     assert part.verdict.share >= SHARE_THRESHOLD
     assert f"<strong>straggler:</strong> {html.escape(part.verdict.evidence)}" in page
     # The metric the demo reads and the span-derived compute agree.
-    for result, timing in zip(_results(demo), part.run.compute_ms_mean()):
+    for result, timing in zip(_results(demo, 2), part.run.compute_ms_mean(), strict=True):
         metric_ms = 1e3 * result["compute_seconds_sum"] / result["compute_seconds_count"]
         assert abs(timing - metric_ms) < max(3.0, 0.15 * metric_ms), (timing, metric_ms)
     # It waits least in every allreduce: its heatmap row is the darkest.
@@ -108,7 +110,7 @@ def test_uneven_straggler_shadowed_steps_are_marked(three_ranks_uneven_straggler
     demo = three_ranks_uneven_straggler
     report = build_report(demo.run_dir)
     part = _only_model(report)
-    batches = [result["batches"] for result in _results(demo)]
+    batches = [result["batches"] for result in _results(demo, 3)]
     figure = part.figures["compute"]
     for rank, trained in enumerate(batches):
         assert _shadowed_steps(figure, rank) == list(range(trained, max(batches))), rank
@@ -133,7 +135,7 @@ def test_uneven_inputs_marked_and_no_straggler(three_ranks_uneven: Demo) -> None
     page = _demo_page(demo).read_text()
     report = build_report(demo.run_dir)
     part = _only_model(report)
-    batches = [result["batches"] for result in _results(demo)]
+    batches = [result["batches"] for result in _results(demo, 3)]
     for rank, trained in enumerate(batches):
         assert _shadowed_steps(part.figures["compute"], rank) == list(range(trained, max(batches)))
     assert part.verdict.rank is None and demo.verdict() == f"straggler: {part.verdict.evidence}"
@@ -246,7 +248,7 @@ def _gan(rank: int, world_size: int, span_dir: str) -> None:
     from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
     from tensorplay.telemetry import configure_tracing, flush
 
-    provider = configure_tracing(span_file=f"{span_dir}/spans-rank{rank}.jsonl", otlp=False)
+    provider = configure_tracing(span_file=str(RunDir(span_dir).spans(rank)), otlp=False)
     torch.manual_seed(0)
     generator = DDP(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16)))
     discriminator = DDP(nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.Linear(512, 1)))
@@ -299,9 +301,10 @@ def test_missing_and_empty_run_dir(tmp_path: Path, capsys) -> None:
 
 def test_truncated_and_unknown_spans_are_named_and_the_rest_drawn(
         two_ranks_straggler: Demo, tmp_path: Path, capsys) -> None:
-    for source in two_ranks_straggler.run_dir.glob("spans-rank*.jsonl"):
-        shutil.copy(source, tmp_path)
-    rank0, rank1 = tmp_path / "spans-rank0.jsonl", tmp_path / "spans-rank1.jsonl"
+    source, copy = RunDir(two_ranks_straggler.run_dir), RunDir(tmp_path)
+    for rank in range(2):
+        shutil.copy(source.spans(rank), copy.spans(rank))
+    rank0, rank1 = copy.spans(0), copy.spans(1)
     content = rank1.read_bytes()
     last = content.splitlines()[-1]
     rank1.write_bytes(content[:len(content) - 1 - len(last) // 2])  # the job died in the middle of a line
@@ -315,8 +318,8 @@ def test_truncated_and_unknown_spans_are_named_and_the_rest_drawn(
 
     code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
     assert code == 2
-    assert f"spans-rank1.jsonl: line {len(content.splitlines())}: the last line is truncated" in err
-    assert "spans-rank0.jsonl: 2 lines: spans of an unknown version, the first line 6" in err
+    assert f"{rank1.name}: line {len(content.splitlines())}: the last line is truncated" in err
+    assert f"{rank0.name}: 2 lines: spans of an unknown version, the first line 6" in err
     assert f"without an integer in {Attr.STEP}" in err
     assert out.strip().splitlines()[-1] == f"report: {tmp_path / 'page.html'}"
     page = (tmp_path / "page.html").read_text()
