@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -128,8 +128,9 @@ def _ingest(jobs: Sequence[SyntheticJob], workdir: Path, storage: Path, ranks_pe
                 with open(path, "w", buffering=1 << 20) as out:
                     samples += job.write_openmetrics(out, first, min(first + ranks_per_file, job.ranks))
                 pending.append(pool.submit(ingest, path))
-                while sum(not p.done() for p in pending) >= 2:  # bound the files on disk
-                    time.sleep(0.05)
+                running = [p for p in pending if not p.done()]
+                if len(running) >= 2:  # bound the files on disk
+                    wait(running, return_when=FIRST_COMPLETED)
         for future in pending:
             future.result()
     return samples

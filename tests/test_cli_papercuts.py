@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +24,7 @@ from tensorplay.cli import main
 from tensorplay.demo.options import add_job_arguments
 
 from .ranks import free_base_port
+from .waiting import wait_until
 
 DEMO = [sys.executable, "-m", "tensorplay", "demo"]
 RUN_TIMEOUT_S = 120
@@ -150,10 +150,8 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_empty_log(tmp_path: Path) ->
                                 "--metrics-port", str(free_base_port(1)), "--run-dir", str(run_dir)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment())
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (run_dir / "report.txt").exists():  # trained, reported, now lingering
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-            time.sleep(0.2)
+        wait_until(lambda: (run_dir / "report.txt").exists(), RUN_TIMEOUT_S, "the rank trained, reported, now lingers",
+                   gave_up=lambda: None if process.poll() is None else f"the demo exited with {process.returncode}")
         os.kill(_rank_pid(process.pid), signal.SIGKILL)
         stdout, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
     finally:
