@@ -13,7 +13,7 @@ from .metrics import (
     served_address,
     wait_for_final_scrape,
 )
-from .resolver import flush
+from .finish import flush
 from .traced import DEFAULT_ERROR_EVERY, traced
 from .tracing import SystemRandomIdGenerator, configure_tracing
 

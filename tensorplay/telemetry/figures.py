@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["compression_figures", "cast_figures", "all_finite", "to_number", "error_value"]
+__all__ = ["compression_figures", "cast_figures", "same_dtype_figures", "all_finite", "to_number", "error_value"]
 
 # Elements per slice of the CPU error pass: a 1 MiB float32 scratch slice stays in cache, and a
 # 25 MB bucket takes 25 slices of three calls each (2^16 took 100: 24 % slower per bucket,
@@ -76,6 +76,22 @@ def cast_figures(
     if math.isfinite(error_sq) and math.isfinite(reference_sq):
         return _ratio(error_sq**0.5, reference_sq**0.5), 0, 0
     return None, 0, 0  # finite approximation: its input is finite too, whatever the norms did
+
+
+def same_dtype_figures(original: torch.Tensor, with_error: bool) -> tuple[Figure | None, Figure, Figure]:
+    """The figures of a cast to ``original``'s own dtype, which changes no element.
+
+    Its relative error is 0 and it makes nothing non-finite; what is counted is the non-finite
+    elements ``original`` already holds (on CUDA as a device tensor; on CPU a finite sum spares
+    the counting pass). The error is None, as everywhere, where the bucket is not finite.
+    """
+    if original.is_cuda:
+        already = _nonfinite_count(original)
+        error = torch.where(already == 0, 0.0, float("nan")) if with_error else None
+        return error, 0, already
+    if all_finite(original):
+        return (0.0 if with_error else None), 0, 0
+    return None, 0, int(_nonfinite_count(original))
 
 
 def _cast(original: torch.Tensor, dtype: torch.dtype, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """``traced(hook)``: any DDP communication hook, plus spans and metrics for every bucket.
 
-The traced hook runs the very same hook (same gradients, bit for bit). Around each call it
-installs a :class:`~tensorplay.telemetry.recorder.BucketRecord` as the probe's recorder, so
-tensorplay's hooks report their own collectives and compression; a user's hook gets bucket
-sizes and latency. With no SDK tracer provider and metrics off, a call costs a few attribute
-reads and the hook runs untouched.
+The first stage of a traced bucket, on the training thread (docs/hook-path.md maps the rest):
+it places the bucket in its model's steps (:mod:`.models`), starts the span, builds a
+:class:`~tensorplay.telemetry.recorder.BucketRecord` and installs it as the probe's recorder, so
+tensorplay's hooks report their own collectives and compression (a user's hook gets bucket
+sizes and latency), runs the very same hook (same gradients, bit for bit), and chains one plain
+``then`` on its future that hands the record to :mod:`.finish`. With no SDK tracer provider and
+metrics off, a call costs a few attribute reads and the hook runs untouched.
 """
 
 import copy
@@ -18,12 +20,11 @@ import torch.distributed as dist
 from opentelemetry import trace
 
 from . import probe
+from .finish import OwnedSpan, finisher
 from .metrics import TensorplayMetrics, active_metrics
-from .models import ModelSteps, ModelsOfHook
+from .models import CallPlace, ModelsOfHook
 from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord
-from .resolver import resolver
-from .spans import OwnedSpan
 from .tracing import tracer as default_tracer
 
 __all__ = ["traced", "DEFAULT_ERROR_EVERY"]
@@ -161,40 +162,30 @@ class _TracedHook:
         return _TracedHook(hook, self._name, self._error_every, self._metrics, self._tracer_provider)
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        model = self._models.of(bucket)
-        step = model.step
-        first_of_step = model.new_step
-        model.new_step = bucket.is_last()
-        if model.new_step:
-            model.step += 1
-        record = self._start_record(state, bucket, step, first_of_step, model)
+        place = self._models.enter(bucket)
+        record = self._start_record(state, bucket, place)
+        ModelsOfHook.step_ended(place, record.ends if record is not None else None)
         if record is None:
-            model.previous_step_end = None
             return self._hook(state, bucket)
-        if model.new_step:
-            model.previous_step_end = record.ends
-        finisher = resolver()
         token = probe.install_recorder(record)
         try:
             future = self._hook(state, bucket)
         except BaseException as error:
-            finisher.abandoned(record.span, error=error)
+            finisher().abandoned(record.span, error=error)
             raise
         finally:
             probe.uninstall_recorder(token)
         try:
-            return record.follow(future, bucket, finisher.completed)
+            return record.follow(future, bucket, finisher().completed)
         except Exception:  # telemetry must never break training: hand DDP the hook's own future
-            finisher.abandoned(record.span, incomplete="tensorplay could not follow the hook's future")
+            finisher().abandoned(record.span, incomplete="tensorplay could not follow the hook's future")
             _logger.warning("tensorplay: could not follow a hook's future; training goes on", exc_info=True)
             return future
 
-    def _start_record(
-        self, state: Any, bucket: dist.GradBucket, step: int, first_of_step: bool, model: ModelSteps
-    ) -> Optional[BucketRecord]:
+    def _start_record(self, state: Any, bucket: dist.GradBucket, place: CallPlace) -> Optional[BucketRecord]:
         """Begin recording this call, or return None when nobody listens (or telemetry fails).
 
-        Once a span is started it is owned: it ends, through the resolver, whatever fails here.
+        Once a span is started it is owned: it ends, on the finisher's thread, whatever fails here.
         """
         span: Optional[OwnedSpan] = None
         try:
@@ -204,36 +195,31 @@ class _TracedHook:
             if metrics is None and not started.is_recording():
                 return None
             span = OwnedSpan(started)
-            finisher = resolver()
             # A shadowing rank's calls are not its own steps: it arrives first and waits for the
             # trainers, which would make them look late (and its wait is no compute either).
             shadowing = probe.in_shadow_phase()
+            model, previous = place.model, place.previous_step_end
             record = BucketRecord(
                 hook=self._name,
                 reports_collectives=self._reports_collectives,
-                step=step,
+                step=place.step,
                 rank=dist.get_rank(),
                 world_size=_world_size(state),
                 bucket_index=bucket.index(),
                 buffer=bucket.buffer(),
-                sample_error=self._error_every > 0 and step % self._error_every == 0,
+                sample_error=self._error_every > 0 and place.step % self._error_every == 0,
                 span=span,
                 metrics=metrics,
-                previous_step_end=(
-                    model.previous_step_end
-                    if first_of_step and model.index == 0 and not shadowing
-                    else None
-                ),
-                step_start=model.previous_step_end if bucket.is_last() and not shadowing else None,
+                previous_step_end=previous if place.first_of_step and model.index == 0 and not shadowing else None,
+                step_start=previous if place.last_of_step and not shadowing else None,
                 model=model.index,
-                on_collective_end=finisher.after_collective,
             )
-            finisher.started()
+            finisher().started()
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
             if span is not None:  # end it off the training thread, like every span
-                resolver().started()
-                resolver().abandoned(span, incomplete="tensorplay could not start recording this hook call")
+                finisher().started()
+                finisher().abandoned(span, incomplete="tensorplay could not start recording this hook call")
             return None
         try:
             if metrics is not None:

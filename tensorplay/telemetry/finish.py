@@ -1,0 +1,473 @@
+"""The last stage of a traced bucket: its numbers, its metrics, its span; and tensorplay's one thread.
+
+A record reaches :meth:`Finisher.completed` from the callback that completes the hook's future
+(on whichever thread torch completes it: gloo's, or the training thread when it had already
+completed). A CPU record holds clock readings and numbers, so it is finished right there, in a
+few microseconds: :func:`outcome` reads its numbers and :func:`observe` writes the hook metrics
+(the only place per-bucket metrics are written; the live gauges, last step and collectives in
+flight, are set where they change). Its span goes to the queue of tensorplay's thread.
+
+That one daemon thread, ``tensorplay-finisher``, does the rest of tensorplay's own work: it polls
+(never waits on) the CUDA events a CUDA record's numbers are read from, then finishes it the same
+way, and it ends every span tensorplay started -- hook spans and ``Join`` spans -- because span
+processors run inside ``span.end()`` and an application's processor may export in line to a slow
+or dead collector. It never completes a future and never runs a user's callback, so nothing a
+user chained can wait on it. The queue is bounded: when it is full a span is dropped and counted.
+
+Every traced call is pending from the moment its record exists until its span has ended (or was
+dropped); :func:`flush` waits until nothing is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from opentelemetry import trace
+
+from .figures import error_value, to_number
+from .metrics import rank_label
+from .names import Attr
+from .recorder import BucketRecord
+from .timing import happened, seconds_between, unix_ns
+
+__all__ = ["OwnedSpan", "Finisher", "finisher", "flush", "Outcome", "outcome", "observe", "span_attributes"]
+
+_logger = logging.getLogger(__name__)
+
+_EXIT_FLUSH_S = 5.0
+"""How long the exit hook waits for the spans of the last steps."""
+
+CAPACITY = 2048
+"""Jobs the thread may have waiting; beyond that a span is dropped and counted."""
+
+SLOW_END_S = 0.1
+"""An ``end()`` this long means a span processor that exports in line to somewhere slow (a healthy
+batch processor only enqueues, in microseconds)."""
+
+_FIRST_POLL_S = 0.0005
+_SLOWEST_POLL_S = 0.01
+
+
+class OwnedSpan:
+    """A started span that tensorplay ends exactly once, whatever happens in between."""
+
+    def __init__(self, span: trace.Span) -> None:
+        self._span = span
+        self._ended = False
+        self._lock = threading.Lock()
+
+    @property
+    def is_recording(self) -> bool:
+        """Whether an SDK records this span (attributes are only built for such spans)."""
+        return self._span.is_recording()
+
+    @property
+    def context(self) -> trace.SpanContext:
+        return self._span.get_span_context()
+
+    def end(
+        self,
+        attributes: dict[str, Any] | None = None,
+        end_time: int | None = None,
+        error: BaseException | None = None,
+        incomplete: str | None = None,
+    ) -> None:
+        """End the span; later calls do nothing.
+
+        ``error`` (the hook's or a collective's exception) is recorded and sets ERROR status;
+        ``incomplete`` sets ERROR status with that description when telemetry itself failed.
+        """
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        span = self._span
+        try:
+            if span.is_recording():
+                if attributes:
+                    span.set_attributes(attributes)
+                if error is not None:
+                    span.record_exception(error)
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+                elif incomplete is not None:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, incomplete))
+        finally:
+            span.end(end_time=end_time)
+
+
+@dataclass
+class _SpanEnd:
+    """A span to end on the thread (each one counted as pending until it has ended or was dropped)."""
+
+    span: OwnedSpan
+    attributes: dict[str, Any] | None = None
+    end_time: int | None = None
+    error: BaseException | None = None
+    incomplete: str | None = None
+    on_drop: Callable[[], None] | None = None
+
+
+class Finisher:
+    """Finishes records, ends spans on its one thread, and knows how many calls are pending."""
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self._capacity = capacity
+        self._pending = 0
+        self._wake = threading.Condition()
+        self._jobs: deque[_SpanEnd | BucketRecord] = deque()
+        """Spans to end, and CUDA records whose events have not all happened yet."""
+        self._thread: threading.Thread | None = None
+        self._exit_flush_registered = False
+        self._slow_warned_at: float | None = None
+
+    def start_afresh(self) -> None:
+        """Forget every pending call and the thread: what a forked child must do.
+
+        The parent's calls will never complete in the child and its thread did not come along;
+        a lock the parent held at the fork would stay held for good. The exit flush registered
+        in the parent still runs, on this same object.
+        """
+        self._pending = 0
+        self._wake = threading.Condition()
+        self._jobs = deque()
+        self._thread = None
+
+    # -- the training thread and the callbacks of futures --
+
+    def started(self) -> None:
+        """Count one traced call as pending (call it once its record exists)."""
+        with self._wake:
+            self._pending += 1
+            if not self._exit_flush_registered:
+                # Registered at the first traced call, after the application's tracer provider
+                # exists, so it runs before that provider's own exit hook shuts its exporters.
+                self._exit_flush_registered = True
+                atexit.register(self.flush, _EXIT_FLUSH_S)
+
+    def completed(self, record: BucketRecord) -> None:
+        """The hook's future of ``record`` completed (with a value or an error): finish the record."""
+        if record.device.type == "cuda":
+            self._submit(record)
+        else:
+            self._finish(record)
+
+    def abandoned(self, span: OwnedSpan, error: BaseException | None = None, incomplete: str | None = None) -> None:
+        """End the span of a pending call that produced no record to finish (the hook raised, say)."""
+        self._submit(_SpanEnd(span, error=error, incomplete=incomplete))
+
+    def end_span(self, span: OwnedSpan, attributes: dict[str, Any], end_time: int | None = None) -> None:
+        """End a span that belongs to no hook call (``Join``'s) on the thread; :func:`flush` waits for it too."""
+        self.started()
+        self._submit(_SpanEnd(span, attributes=attributes, end_time=end_time))
+
+    def pending(self) -> int:
+        """Traced calls (and ``Join`` spans) whose span has not ended yet."""
+        with self._wake:
+            return self._pending
+
+    def waiting(self) -> int:
+        """Jobs queued for the thread (spans to end, CUDA records waiting for their events)."""
+        with self._wake:
+            return len(self._jobs)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every pending call is finished; False if ``timeout`` ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._wake:
+            while self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._wake.wait(remaining)
+        return True
+
+    def _finish(self, record: BucketRecord) -> None:
+        """Read the numbers, write the metrics, and hand the span to the thread."""
+        job = _SpanEnd(record.span, error=record.error, on_drop=lambda: _count(record, "span_dropped"))
+        record.collectives_seen_done()  # on CUDA, the in-flight gauge waited for their events
+        try:
+            numbers = outcome(record)
+            observe(record, numbers)
+            if record.span.is_recording:
+                job.attributes = span_attributes(record, numbers)
+            job.end_time = numbers.end_unix_ns
+            if record.failures:
+                job.incomplete = f"tensorplay telemetry incomplete ({', '.join(record.failures)})"
+        except Exception:
+            _logger.warning("tensorplay: could not finish a hook record; training goes on", exc_info=True)
+            _count(record, "resolver")
+            job.incomplete = "tensorplay could not finish this record"
+        if record.span.is_recording:
+            self._submit(job)
+        else:  # no SDK records it: nothing to end, nothing to queue
+            self._done()
+
+    def _submit(self, job: _SpanEnd | BucketRecord) -> None:
+        with self._wake:
+            if len(self._jobs) < self._capacity:
+                self._jobs.append(job)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tensorplay-finisher", daemon=True)
+                    self._thread.start()
+                self._wake.notify()
+                return
+        self._dropped(job)
+
+    def _dropped(self, job: _SpanEnd | BucketRecord) -> None:
+        if isinstance(job, BucketRecord):
+            _count(job, "span_dropped")
+        else:
+            _call_safely(job.on_drop)
+        self._done()
+
+    def _done(self) -> None:
+        with self._wake:
+            self._pending -= 1
+            if not self._pending:
+                self._wake.notify_all()
+
+    # -- tensorplay's thread --
+
+    def _run(self) -> None:
+        pause = _FIRST_POLL_S
+        while True:
+            with self._wake:
+                while not self._jobs:
+                    self._wake.wait()
+                batch = list(self._jobs)
+                self._jobs.clear()
+            waiting: list[BucketRecord] = []
+            for job in batch:
+                if isinstance(job, BucketRecord):
+                    if _events_happened(job):
+                        self._finish(job)
+                    else:
+                        waiting.append(job)
+                else:
+                    self._end(job)
+                del job  # let go of the record (and its tensors) before idling
+            if not waiting:
+                pause = _FIRST_POLL_S
+                continue
+            with self._wake:
+                self._jobs.extendleft(reversed(waiting))
+            progressed = len(waiting) < len(batch)
+            pause = _FIRST_POLL_S if progressed else min(pause * 2, _SLOWEST_POLL_S)
+            del waiting
+            time.sleep(pause)
+
+    def _end(self, job: _SpanEnd) -> None:
+        started = time.monotonic()
+        try:
+            job.span.end(job.attributes, job.end_time, job.error, job.incomplete)
+        except Exception:
+            _logger.warning("tensorplay: a span processor failed ending a span; training goes on", exc_info=True)
+        finally:
+            took = time.monotonic() - started
+            if took >= SLOW_END_S:
+                self._warn_slow(took)
+            self._done()
+
+    def _warn_slow(self, took: float) -> None:
+        """Warn, at most once a minute, that span processing is slow (what the thread measured)."""
+        now = time.monotonic()
+        if self._slow_warned_at is not None and now - self._slow_warned_at < 60.0:
+            return
+        self._slow_warned_at = now
+        _logger.warning(
+            "tensorplay: rank %s: the span processor is slow: ending one span took %.2f s; training does "
+            "not wait for spans, but they queue (%d waiting) and beyond %d are dropped",
+            rank_label(), took, self.waiting(), self._capacity,
+        )
+
+
+def _events_happened(record: BucketRecord) -> bool:
+    """Whether every CUDA event the record's numbers are read from has completed."""
+    points = [record.called, record.ends.completed, *record.launches, *record.ends.stamps]
+    points += [stage.ready for stage in record.stages if stage.ready is not None]
+    for previous in (record.previous_step_end, record.step_start):
+        if previous is not None and previous.last() is not None:
+            points.append(previous.last())
+    try:
+        return all(happened(point) for point in points if point is not None)
+    except Exception:  # a broken event: let finishing find out and report it
+        _logger.debug("tensorplay: polling an event failed", exc_info=True)
+        return True
+
+
+def _count(record: BucketRecord, reason: str) -> None:
+    """Count a telemetry problem of ``record``, unless counting fails too."""
+    try:
+        if record.metrics is not None:
+            record.metrics.count_error(record.rank, reason)
+    except Exception:
+        _logger.debug("tensorplay: could not count %s", reason, exc_info=True)
+
+
+def _call_safely(callback: Callable[[], None] | None) -> None:
+    try:
+        if callback is not None:
+            callback()
+    except Exception:
+        _logger.debug("tensorplay: span bookkeeping failed", exc_info=True)
+
+
+# -- the numbers of a finished record --
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The numbers of one finished hook call."""
+
+    latency_s: float
+    compute_s: float | None
+    step_s: float | None
+    """For a counted step's last bucket: the end of the previous step to the end of this one."""
+    wire_bytes: int
+    collectives: int
+    nonfinite: int
+    bucket_nonfinite: int | None
+    relative_error: float | None
+    end_unix_ns: int | None
+
+
+def outcome(record: BucketRecord) -> Outcome:
+    """Read the numbers of a completed record (on CUDA: once its events happened)."""
+    stages = record.stages
+    errors = [error_value(stage.relative_error) for stage in stages]
+    completed = record.ends.completed
+    return Outcome(
+        latency_s=latency_seconds(record),
+        compute_s=_compute_seconds(record),
+        step_s=_step_seconds(record),
+        wire_bytes=wire_bytes(record),
+        collectives=collective_count(record),
+        nonfinite=sum(int(to_number(stage.nonfinite)) for stage in stages),
+        # What the first stage compressed is the bucket as DDP handed it over.
+        bucket_nonfinite=int(to_number(stages[0].input_nonfinite)) if stages else None,
+        # Stages compose (a wrapper around a compressing hook): their relative errors add up,
+        # which bounds the end-to-end error to first order (triangle inequality). One stage is
+        # exact. A stage without a finite figure leaves the call without one.
+        relative_error=float(sum(errors)) if stages and None not in errors else None,  # type: ignore[arg-type]
+        end_unix_ns=unix_ns(completed, record.called) if completed is not None else None,
+    )
+
+
+def latency_seconds(record: BucketRecord) -> float:
+    """Launch of the first reported collective to completion of the last.
+
+    A hook that reports no collectives (a user's own hook) is timed from its call to its
+    future's completion; a tensorplay hook that launched none (``noop_hook``) took no time.
+    """
+    if record.launches:
+        end = record.ends.last()
+        return seconds_between(record.launches[0], end) if end is not None else 0.0
+    if record.reports_collectives or record.ends.completed is None:
+        return 0.0
+    return seconds_between(record.called, record.ends.completed)
+
+
+def collective_count(record: BucketRecord) -> int:
+    """Collectives launched; a user's hook is assumed to have reduced its buffer once."""
+    if record.reports_collectives:
+        return len(record.launches)
+    return 1
+
+
+def wire_bytes(record: BucketRecord) -> int:
+    """Bytes sent into collectives; for a user's hook, the buffer it was left holding."""
+    if record.reports_collectives:
+        return record.wire_bytes
+    return record.returned_buffer_bytes if record.returned_buffer_bytes is not None else record.bytes
+
+
+def span_attributes(record: BucketRecord, numbers: Outcome) -> dict[str, object]:
+    """The contract's span attributes of one hook call."""
+    attributes: dict[str, object] = {
+        Attr.HOOK: record.hook,
+        Attr.RANK: record.rank,
+        Attr.WORLD_SIZE: record.world_size,
+        Attr.STEP: record.step,
+        Attr.BUCKET_INDEX: record.bucket_index,
+        Attr.BUCKET_NUMEL: record.numel,
+        Attr.BUCKET_BYTES: record.bytes,
+        Attr.BUCKET_WIRE_BYTES: numbers.wire_bytes,
+        Attr.BUCKET_DTYPE: record.dtype,
+        Attr.COMPRESSION_NONFINITE: numbers.nonfinite,
+        Attr.ALLREDUCE_LATENCY_MS: numbers.latency_s * 1e3,
+        Attr.ALLREDUCE_COUNT: numbers.collectives,
+        Attr.MODEL: record.model,
+    }
+    if record.stages:
+        attributes[Attr.COMPRESSION_DTYPE] = "+".join(stage.kind for stage in record.stages)
+        attributes[Attr.BUCKET_NONFINITE] = numbers.bucket_nonfinite
+        if numbers.relative_error is not None:
+            attributes[Attr.COMPRESSION_RELATIVE_ERROR] = numbers.relative_error
+    return attributes
+
+
+def observe(record: BucketRecord, numbers: Outcome) -> None:
+    """Write the call's metric observations (nothing when metrics are off)."""
+    metrics = record.metrics
+    if metrics is None:
+        return
+    rank, hook = record.rank_label, record.hook_label
+    metrics.allreduce_latency.labels(rank=rank, hook=hook).observe(numbers.latency_s, _exemplar(record.span))
+    metrics.bucket_bytes.labels(rank=rank, hook=hook).inc(record.bytes)
+    metrics.wire_bytes.labels(rank=rank, hook=hook).inc(numbers.wire_bytes)
+    metrics.nonfinite.labels(rank=rank, hook=hook).inc(numbers.nonfinite)
+    if numbers.bucket_nonfinite is not None:
+        metrics.bucket_nonfinite.labels(rank=rank, hook=hook).inc(numbers.bucket_nonfinite)
+    if numbers.relative_error is not None:
+        metrics.compression_error.labels(rank=rank, hook=hook).observe(numbers.relative_error)
+    if numbers.compute_s is not None:
+        metrics.step_compute.labels(rank=rank).observe(numbers.compute_s)
+    if numbers.step_s is not None:
+        # The last bucket's wait is how long this rank stood at the step's end for the last of its
+        # peers to arrive: what the peers did not wait for it (docs/telemetry.md, "Lateness").
+        metrics.step_wait.labels(rank=rank, hook=hook).inc(numbers.latency_s)
+        metrics.step_seconds.labels(rank=rank, hook=hook).inc(numbers.step_s)
+        metrics.steps.labels(rank=rank, hook=hook).inc()
+
+
+def _compute_seconds(record: BucketRecord) -> float | None:
+    previous = record.previous_step_end
+    if previous is None:
+        return None
+    end = previous.last()
+    return seconds_between(end, record.called) if end is not None else None
+
+
+def _step_seconds(record: BucketRecord) -> float | None:
+    start = record.step_start.last() if record.step_start is not None else None
+    end = record.ends.last()
+    return seconds_between(start, end) if start is not None and end is not None else None
+
+
+def _exemplar(span: OwnedSpan) -> dict[str, str] | None:
+    if not span.is_recording:
+        return None
+    context = span.context
+    return {"trace_id": format(context.trace_id, "032x"), "span_id": format(context.span_id, "016x")}
+
+
+_finisher = Finisher()
+
+os.register_at_fork(after_in_child=_finisher.start_afresh)
+
+
+def finisher() -> Finisher:
+    """The process's finisher."""
+    return _finisher
+
+
+def flush(timeout: float | None = 30.0) -> bool:
+    """Wait until every traced hook call so far has its metrics recorded and its span ended."""
+    return _finisher.flush(timeout)
