@@ -45,7 +45,7 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from tensorplay.telemetry import TensorplayMetrics, flush
 from tensorplay.telemetry.names import Attr
-from tensorplay.telemetry.resolver import resolver
+from tensorplay.telemetry.finish import finisher
 
 from . import test_default_hooks as default_hook_cases
 from . import test_powersgd as powersgd_cases
@@ -391,7 +391,7 @@ def test_a_long_run_keeps_records_events_and_device_memory_flat(nccl: None) -> N
         model(batch).square().mean().backward()
         optimizer.step()
         if step % 100 == 0:
-            in_flight.append((resolver().pending(), resolver()._watcher.waiting()))
+            in_flight.append((finisher().pending(), finisher().waiting()))
         if step in (300, SOAK_STEPS):
             footprints[step] = _settled_footprint()
     early, late = footprints[300], footprints[SOAK_STEPS]

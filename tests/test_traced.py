@@ -73,7 +73,6 @@ def _spans_and_metrics(rank: int, world_size: int) -> dict:
         metrics = TensorplayMetrics(CollectorRegistry())
         copies = BucketCopies(traced(hook, error_every=1, metrics=metrics, tracer_provider=provider))
         traced_params = train(rank, copies.hook, steps=3)
-        ended_when_training_returned = len(exporter.get_finished_spans())
         assert flush(30), "records still pending"
         plain_params = train(rank, passthrough(hook), steps=3)
         spans = [dict(s.attributes) for s in exporter.get_finished_spans() if s.name == "tensorplay.comm_hook"]
@@ -88,7 +87,6 @@ def _spans_and_metrics(rank: int, world_size: int) -> dict:
         outcome[name] = {
             "equal": all(torch.equal(a, b) for a, b in zip(traced_params, plain_params)),
             "spans": spans,
-            "ended when training returned": ended_when_training_returned,
             "errors": errors,
             "bucket_numels": {k: v.numel() for k, v in copies.copies.items()},
             "latency_count": registry.get_sample_value("tensorplay_allreduce_latency_seconds_count", labels),
@@ -119,8 +117,6 @@ def test_every_contract_attribute_has_its_value(two_rank_outcome: list[dict], na
         result = outcome[name]
         spans = result["spans"]
         assert len(spans) == len(result["bucket_numels"])  # one span per bucket of every step
-        # On CPU a span has ended once DDP sees the hook's future complete: no flush needed.
-        assert result["ended when training returned"] == len(spans)
         assert len([key for key in result["bucket_numels"] if key[0] == 2]) >= 3  # after DDP's rebuild
         assert sorted({s[Attr.STEP] for s in spans}) == [0, 1, 2]
         for span in spans:
@@ -339,7 +335,7 @@ def test_a_traced_hook_pickles_and_copies_to_an_equivalent_one(hook: Any, name: 
 
     metrics = TensorplayMetrics(CollectorRegistry())
     original = traced(hook, error_every=3, metrics=metrics)
-    original._models.of(_OneBucket()).step = 7  # type: ignore[attr-defined]  # as if it had trained
+    original._models.enter(_OneBucket())  # type: ignore[attr-defined]  # as if it had trained
     for copied, keeps_metrics in ((pickle.loads(pickle.dumps(original)), False), (copy.deepcopy(original), True)):
         assert copied.__name__ == copied.__qualname__ == f"traced({name})"
         assert copied.__doc__ == original.__doc__ and copied.__doc__ is not None

@@ -213,7 +213,9 @@ class BucketRecord:
         recomputable: bool = False,
     ) -> None:
         try:
-            if approximation is not None and approximation.dtype == original.dtype:
+            if approximation is not None and residual is None and (
+                approximation.data_ptr() == original.data_ptr() or (recomputable and approximation.dtype == original.dtype)
+            ):
                 # A cast to the own dtype: exact, and usually DDP's very buffer, which the collective
                 # overwrites with the sum over ranks. Count what it holds now, before that.
                 with torch.no_grad():
