@@ -356,7 +356,7 @@ def _settled_footprint() -> dict[str, int]:
     """Once the device, the telemetry and NCCL caught up: objects, live records, device bytes."""
     torch.cuda.synchronize()
     assert flush(60), "records still pending"
-    watcher = resolver()._watcher
+    watcher = finisher()
     deadline = time.monotonic() + 30
     while watcher.waiting() and time.monotonic() < deadline:  # the in-flight gauge's last completions
         time.sleep(0.01)

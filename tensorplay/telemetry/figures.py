@@ -1,7 +1,7 @@
 """The compression figures: relative L2 error and non-finite elements created by compression.
 
 Each figure is computed in exactly one place, here. On CPU the figures are plain numbers; on
-CUDA they stay 0-dim device tensors (no synchronization on the hot path) that the resolver
+CUDA they stay 0-dim device tensors (no synchronization on the hot path) that the finisher
 turns into numbers later with :func:`to_number`.
 """
 
