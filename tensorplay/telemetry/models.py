@@ -98,7 +98,7 @@ class ModelsOfHook:
     def count(self) -> int:
         """How many models the hook serves now."""
         with self._lock:
-            return sum(ref() is not None for ref in self._models) + (self._fallback is not None and not self._models)
+            return sum(ref() is not None for ref in self._models)
 
     def _of(self, bucket: Any) -> ModelSteps:
         try:

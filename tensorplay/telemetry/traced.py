@@ -164,7 +164,7 @@ class _TracedHook:
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         place = self._models.enter(bucket)
         record = self._start_record(state, bucket, place)
-        ModelsOfHook.step_ended(place, record.ends if record is not None else None)
+        self._models.step_ended(place, record.ends if record is not None else None)
         if record is None:
             return self._hook(state, bucket)
         token = probe.install_recorder(record)
