@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry
 
 from tensorplay.telemetry import TensorplayMetrics, configure_tracing
 from tensorplay.telemetry import figures
-from tensorplay.telemetry.finish import Finisher, OwnedSpan, _events_happened, observe, outcome
+from tensorplay.telemetry.finish import Finisher, OwnedSpan, _events_happened
+from tensorplay.telemetry.outcome import observe, outcome
 from tensorplay.telemetry.recorder import BucketRecord, CompressionStage
 from tensorplay.telemetry.timing import Stamp, happened, seconds_between, unix_ns
 

@@ -3,9 +3,8 @@
 A record reaches :meth:`Finisher.completed` from the callback that completes the hook's future
 (on whichever thread torch completes it: gloo's, or the training thread when it had already
 completed). A CPU record holds clock readings and numbers, so it is finished right there, in a
-few microseconds: :func:`outcome` reads its numbers and :func:`observe` writes the hook metrics
-(the only place per-bucket metrics are written; the live gauges, last step and collectives in
-flight, are set where they change). Its span goes to the queue of tensorplay's thread.
+few microseconds: :mod:`.outcome` reads its numbers and writes the hook metrics. Its span goes
+to the queue of tensorplay's thread.
 
 That one daemon thread, ``tensorplay-finisher``, does the rest of tensorplay's own work: it polls
 (never waits on) the CUDA events a CUDA record's numbers are read from, then finishes it the same
@@ -31,13 +30,12 @@ from typing import Any, Callable
 
 from opentelemetry import trace
 
-from .figures import error_value, to_number
 from .metrics import rank_label
-from .names import Attr
+from .outcome import observe, outcome, span_attributes
 from .recorder import BucketRecord
-from .timing import happened, seconds_between, unix_ns
+from .timing import happened
 
-__all__ = ["OwnedSpan", "Finisher", "finisher", "flush", "Outcome", "outcome", "observe", "span_attributes"]
+__all__ = ["OwnedSpan", "Finisher", "finisher", "flush"]
 
 _logger = logging.getLogger(__name__)
 
@@ -317,145 +315,6 @@ def _call_safely(callback: Callable[[], None] | None) -> None:
             callback()
     except Exception:
         _logger.debug("tensorplay: span bookkeeping failed", exc_info=True)
-
-
-# -- the numbers of a finished record --
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The numbers of one finished hook call."""
-
-    latency_s: float
-    compute_s: float | None
-    step_s: float | None
-    """For a counted step's last bucket: the end of the previous step to the end of this one."""
-    wire_bytes: int
-    collectives: int
-    nonfinite: int
-    bucket_nonfinite: int | None
-    relative_error: float | None
-    end_unix_ns: int | None
-
-
-def outcome(record: BucketRecord) -> Outcome:
-    """Read the numbers of a completed record (on CUDA: once its events happened)."""
-    stages = record.stages
-    errors = [error_value(stage.relative_error) for stage in stages]
-    completed = record.ends.completed
-    return Outcome(
-        latency_s=latency_seconds(record),
-        compute_s=_compute_seconds(record),
-        step_s=_step_seconds(record),
-        wire_bytes=wire_bytes(record),
-        collectives=collective_count(record),
-        nonfinite=sum(int(to_number(stage.nonfinite)) for stage in stages),
-        # What the first stage compressed is the bucket as DDP handed it over.
-        bucket_nonfinite=int(to_number(stages[0].input_nonfinite)) if stages else None,
-        # Stages compose (a wrapper around a compressing hook): their relative errors add up,
-        # which bounds the end-to-end error to first order (triangle inequality). One stage is
-        # exact. A stage without a finite figure leaves the call without one.
-        relative_error=float(sum(errors)) if stages and None not in errors else None,  # type: ignore[arg-type]
-        end_unix_ns=unix_ns(completed, record.called) if completed is not None else None,
-    )
-
-
-def latency_seconds(record: BucketRecord) -> float:
-    """Launch of the first reported collective to completion of the last.
-
-    A hook that reports no collectives (a user's own hook) is timed from its call to its
-    future's completion; a tensorplay hook that launched none (``noop_hook``) took no time.
-    """
-    if record.launches:
-        end = record.ends.last()
-        return seconds_between(record.launches[0], end) if end is not None else 0.0
-    if record.reports_collectives or record.ends.completed is None:
-        return 0.0
-    return seconds_between(record.called, record.ends.completed)
-
-
-def collective_count(record: BucketRecord) -> int:
-    """Collectives launched; a user's hook is assumed to have reduced its buffer once."""
-    if record.reports_collectives:
-        return len(record.launches)
-    return 1
-
-
-def wire_bytes(record: BucketRecord) -> int:
-    """Bytes sent into collectives; for a user's hook, the buffer it was left holding."""
-    if record.reports_collectives:
-        return record.wire_bytes
-    return record.returned_buffer_bytes if record.returned_buffer_bytes is not None else record.bytes
-
-
-def span_attributes(record: BucketRecord, numbers: Outcome) -> dict[str, object]:
-    """The contract's span attributes of one hook call."""
-    attributes: dict[str, object] = {
-        Attr.HOOK: record.hook,
-        Attr.RANK: record.rank,
-        Attr.WORLD_SIZE: record.world_size,
-        Attr.STEP: record.step,
-        Attr.BUCKET_INDEX: record.bucket_index,
-        Attr.BUCKET_NUMEL: record.numel,
-        Attr.BUCKET_BYTES: record.bytes,
-        Attr.BUCKET_WIRE_BYTES: numbers.wire_bytes,
-        Attr.BUCKET_DTYPE: record.dtype,
-        Attr.COMPRESSION_NONFINITE: numbers.nonfinite,
-        Attr.ALLREDUCE_LATENCY_MS: numbers.latency_s * 1e3,
-        Attr.ALLREDUCE_COUNT: numbers.collectives,
-        Attr.MODEL: record.model,
-    }
-    if record.stages:
-        attributes[Attr.COMPRESSION_DTYPE] = "+".join(stage.kind for stage in record.stages)
-        attributes[Attr.BUCKET_NONFINITE] = numbers.bucket_nonfinite
-        if numbers.relative_error is not None:
-            attributes[Attr.COMPRESSION_RELATIVE_ERROR] = numbers.relative_error
-    return attributes
-
-
-def observe(record: BucketRecord, numbers: Outcome) -> None:
-    """Write the call's metric observations (nothing when metrics are off)."""
-    metrics = record.metrics
-    if metrics is None:
-        return
-    rank, hook = record.rank_label, record.hook_label
-    metrics.allreduce_latency.labels(rank=rank, hook=hook).observe(numbers.latency_s, _exemplar(record.span))
-    metrics.bucket_bytes.labels(rank=rank, hook=hook).inc(record.bytes)
-    metrics.wire_bytes.labels(rank=rank, hook=hook).inc(numbers.wire_bytes)
-    metrics.nonfinite.labels(rank=rank, hook=hook).inc(numbers.nonfinite)
-    if numbers.bucket_nonfinite is not None:
-        metrics.bucket_nonfinite.labels(rank=rank, hook=hook).inc(numbers.bucket_nonfinite)
-    if numbers.relative_error is not None:
-        metrics.compression_error.labels(rank=rank, hook=hook).observe(numbers.relative_error)
-    if numbers.compute_s is not None:
-        metrics.step_compute.labels(rank=rank).observe(numbers.compute_s)
-    if numbers.step_s is not None:
-        # The last bucket's wait is how long this rank stood at the step's end for the last of its
-        # peers to arrive: what the peers did not wait for it (docs/telemetry.md, "Lateness").
-        metrics.step_wait.labels(rank=rank, hook=hook).inc(numbers.latency_s)
-        metrics.step_seconds.labels(rank=rank, hook=hook).inc(numbers.step_s)
-        metrics.steps.labels(rank=rank, hook=hook).inc()
-
-
-def _compute_seconds(record: BucketRecord) -> float | None:
-    previous = record.previous_step_end
-    if previous is None:
-        return None
-    end = previous.last()
-    return seconds_between(end, record.called) if end is not None else None
-
-
-def _step_seconds(record: BucketRecord) -> float | None:
-    start = record.step_start.last() if record.step_start is not None else None
-    end = record.ends.last()
-    return seconds_between(start, end) if start is not None and end is not None else None
-
-
-def _exemplar(span: OwnedSpan) -> dict[str, str] | None:
-    if not span.is_recording:
-        return None
-    context = span.context
-    return {"trace_id": format(context.trace_id, "032x"), "span_id": format(context.span_id, "016x")}
 
 
 _finisher = Finisher()
