@@ -1,20 +1,22 @@
-"""The last stage of a traced bucket: its numbers, its metrics, its span; and tensorplay's one thread.
+"""The last stage of a traced bucket: its span, its numbers, its metrics; and tensorplay's one thread.
 
 A record reaches :meth:`Finisher.completed` from the callback that completes the hook's future
-(on whichever thread torch completes it: gloo's, or the training thread when it had already
-completed). A CPU record holds clock readings and numbers, so it is finished right there, in a
-few microseconds: :mod:`.outcome` reads its numbers and writes the hook metrics. Its span goes
-to the queue of tensorplay's thread.
+(on whichever thread torch completes it: gloo's, or the training thread when the collective had
+completed before the hook chained on it), which only queues it.
 
-That one daemon thread, ``tensorplay-finisher``, does the rest of tensorplay's own work: it polls
-(never waits on) the CUDA events a CUDA record's numbers are read from, then finishes it the same
-way, and it ends every span tensorplay started -- hook spans and ``Join`` spans -- because span
-processors run inside ``span.end()`` and an application's processor may export in line to a slow
-or dead collector. It never completes a future and never runs a user's callback, so nothing a
-user chained can wait on it. The queue is bounded: when it is full a span is dropped and counted.
+That one daemon thread, ``tensorplay-finisher``, does tensorplay's own work: for each record it
+polls (never waits on) the CUDA events its numbers are read from (CUDA only), starts its span with
+the parent and start time taken on the training thread, reads its numbers and writes the hook
+metrics (:mod:`.outcome`; the latency carries the span's IDs as exemplar), and ends the span. It
+also ends ``Join`` spans. Span processors run inside ``span.start()`` and ``span.end()`` and an
+application's may export in line to a slow or dead collector, and after a backward pass the
+training thread pays cache misses for every line of SDK and metrics code it runs: neither belongs
+on the training thread. The thread never completes a future and never runs a user's callback, so
+nothing a user chained can wait on it. The queue is bounded: when it is full a CPU record's
+metrics are written at once and its span is dropped and counted.
 
 Every traced call is pending from the moment its record exists until its span has ended (or was
-dropped); :func:`flush` waits until nothing is.
+dropped); :func:`flush` waits until nothing is, so metrics read after :func:`flush` are complete.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from .metrics import rank_label
@@ -54,21 +57,47 @@ _SLOWEST_POLL_S = 0.01
 
 
 class OwnedSpan:
-    """A started span that tensorplay ends exactly once, whatever happens in between."""
+    """A span that tensorplay ends exactly once, whatever happens in between.
 
-    def __init__(self, span: trace.Span) -> None:
+    Either a started span (``Join``'s), or one still to start (:meth:`later`, a hook call's): the
+    training thread takes only its parent context and start time, and the span is started, with
+    that parent and time, where it is ended, on tensorplay's thread. Starting an SDK span costs
+    the training thread about 10 us warm and over 100 us after a backward pass has evicted the
+    SDK's code and data from the caches (``bench/training_thread_cost.py``'s buckets do).
+    """
+
+    __slots__ = ("_span", "_start", "_ended")
+
+    def __init__(self, span: trace.Span | None = None) -> None:
         self._span = span
+        self._start: tuple[trace.Tracer, str, Any, int] | None = None
+        """(tracer, name, parent context, start time in Unix ns) of a span not started yet."""
         self._ended = False
-        self._lock = threading.Lock()
+        """Spans end on tensorplay's one thread only, so a flag (no lock) keeps it to once."""
+
+    @classmethod
+    def later(cls, tracer: trace.Tracer, name: str, start_unix_ns: int) -> "OwnedSpan":
+        """A span named ``name``, child of the current context, begun at ``start_unix_ns``; started on first use."""
+        owned = cls()
+        owned._start = (tracer, name, otel_context.get_current(), start_unix_ns)
+        return owned
+
+    def _started(self) -> trace.Span:
+        span = self._span
+        if span is None:
+            tracer, name, parent, start_unix_ns = self._start  # type: ignore[misc]
+            span = self._span = tracer.start_span(name, context=parent, start_time=start_unix_ns)
+            self._start = None
+        return span
 
     @property
     def is_recording(self) -> bool:
-        """Whether an SDK records this span (attributes are only built for such spans)."""
-        return self._span.is_recording()
+        """Whether an SDK records this span (attributes are only built for such spans); starts it."""
+        return self._started().is_recording()
 
     @property
     def context(self) -> trace.SpanContext:
-        return self._span.get_span_context()
+        return self._started().get_span_context()
 
     def end(
         self,
@@ -77,16 +106,15 @@ class OwnedSpan:
         error: BaseException | None = None,
         incomplete: str | None = None,
     ) -> None:
-        """End the span; later calls do nothing.
+        """End the span (starting it first if it was not); later calls do nothing.
 
         ``error`` (the hook's or a collective's exception) is recorded and sets ERROR status;
         ``incomplete`` sets ERROR status with that description when telemetry itself failed.
         """
-        with self._lock:
-            if self._ended:
-                return
-            self._ended = True
-        span = self._span
+        if self._ended:
+            return
+        self._ended = True
+        span = self._started()
         try:
             if span.is_recording():
                 if attributes:
@@ -109,7 +137,6 @@ class _SpanEnd:
     end_time: int | None = None
     error: BaseException | None = None
     incomplete: str | None = None
-    on_drop: Callable[[], None] | None = None
 
 
 class Finisher:
@@ -150,11 +177,20 @@ class Finisher:
                 atexit.register(self.flush, _EXIT_FLUSH_S)
 
     def completed(self, record: BucketRecord) -> None:
-        """The hook's future of ``record`` completed (with a value or an error): finish the record."""
-        if record.device.type == "cuda":
-            self._submit(record)
-        else:
-            self._finish(record)
+        """The hook's future of ``record`` completed (with a value or an error): queue the record.
+
+        Called from the callback that completes the hook's future, on whichever thread torch
+        completes it: the training thread when the collective had completed before the hook
+        chained on it. So it only queues; the numbers, metrics and span are the thread's work.
+        """
+        with self._wake:
+            if len(self._jobs) < self._capacity:
+                self._queue(record)
+                return
+        if record.device is not None:  # CUDA: its numbers wait for events: nothing can be read now
+            self._dropped(record)
+        else:  # a full queue (a stuck span processor) must not cost the metrics: those are exact now
+            self._finish(record, with_span=False)
 
     def abandoned(self, span: OwnedSpan, error: BaseException | None = None, incomplete: str | None = None) -> None:
         """End the span of a pending call that produced no record to finish (the hook raised, say)."""
@@ -186,14 +222,19 @@ class Finisher:
                 self._wake.wait(remaining)
         return True
 
-    def _finish(self, record: BucketRecord) -> None:
-        """Read the numbers, write the metrics, and hand the span to the thread."""
-        job = _SpanEnd(record.span, error=record.error, on_drop=lambda: _count(record, "span_dropped"))
+    def _finish(self, record: BucketRecord, with_span: bool = True) -> None:
+        """Start the span, read the numbers, write the metrics, end the span (tensorplay's thread).
+
+        The span is started first so that the latency observation carries its IDs as exemplar.
+        ``with_span=False`` (the queue was full): the metrics only, the span dropped and counted.
+        """
+        job = _SpanEnd(record.span, error=record.error)
         record.collectives_seen_done()  # on CUDA, the in-flight gauge waited for their events
         try:
+            recording = with_span and record.span.is_recording
             numbers = outcome(record)
-            observe(record, numbers)
-            if record.span.is_recording:
+            observe(record, numbers, record.span if recording else None)
+            if recording:
                 job.attributes = span_attributes(record, numbers)
             job.end_time = numbers.end_unix_ns
             if record.failures:
@@ -202,27 +243,30 @@ class Finisher:
             _logger.warning("tensorplay: could not finish a hook record; training goes on", exc_info=True)
             _count(record, "resolver")
             job.incomplete = "tensorplay could not finish this record"
-        if record.span.is_recording:
-            self._submit(job)
-        else:  # no SDK records it: nothing to end, nothing to queue
+        if with_span:
+            self._end(job)
+        else:
+            _count(record, "span_dropped")
             self._done()
 
     def _submit(self, job: _SpanEnd | BucketRecord) -> None:
         with self._wake:
             if len(self._jobs) < self._capacity:
-                self._jobs.append(job)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="tensorplay-finisher", daemon=True)
-                    self._thread.start()
-                self._wake.notify()
+                self._queue(job)
                 return
         self._dropped(job)
+
+    def _queue(self, job: _SpanEnd | BucketRecord) -> None:
+        """Append ``job`` for the thread (starting it the first time); hold ``self._wake``."""
+        self._jobs.append(job)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tensorplay-finisher", daemon=True)
+            self._thread.start()
+        self._wake.notify()
 
     def _dropped(self, job: _SpanEnd | BucketRecord) -> None:
         if isinstance(job, BucketRecord):
             _count(job, "span_dropped")
-        else:
-            _call_safely(job.on_drop)
         self._done()
 
     def _done(self) -> None:
@@ -307,14 +351,6 @@ def _count(record: BucketRecord, reason: str) -> None:
             record.metrics.count_error(record.rank, reason)
     except Exception:
         _logger.debug("tensorplay: could not count %s", reason, exc_info=True)
-
-
-def _call_safely(callback: Callable[[], None] | None) -> None:
-    try:
-        if callback is not None:
-            callback()
-    except Exception:
-        _logger.debug("tensorplay: span bookkeeping failed", exc_info=True)
 
 
 _finisher = Finisher()

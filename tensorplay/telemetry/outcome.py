@@ -99,7 +99,7 @@ def span_attributes(record: BucketRecord, numbers: Outcome) -> dict[str, object]
         Attr.BUCKET_NUMEL: record.numel,
         Attr.BUCKET_BYTES: record.bytes,
         Attr.BUCKET_WIRE_BYTES: numbers.wire_bytes,
-        Attr.BUCKET_DTYPE: record.dtype,
+        Attr.BUCKET_DTYPE: str(record.dtype).removeprefix("torch."),
         Attr.COMPRESSION_NONFINITE: numbers.nonfinite,
         Attr.ALLREDUCE_LATENCY_MS: numbers.latency_s * 1e3,
         Attr.ALLREDUCE_COUNT: numbers.collectives,
@@ -113,13 +113,16 @@ def span_attributes(record: BucketRecord, numbers: Outcome) -> dict[str, object]
     return attributes
 
 
-def observe(record: BucketRecord, numbers: Outcome) -> None:
-    """Write the call's metric observations (nothing when metrics are off)."""
+def observe(record: BucketRecord, numbers: Outcome, exemplar: OwnedSpan | None = None) -> None:
+    """Write the call's metric observations (nothing when metrics are off).
+
+    ``exemplar``: the call's recording span, whose IDs the latency observation carries.
+    """
     metrics = record.metrics
     if metrics is None:
         return
     rank, hook = record.rank_label, record.hook_label
-    metrics.allreduce_latency.labels(rank=rank, hook=hook).observe(numbers.latency_s, _exemplar(record.span))
+    metrics.allreduce_latency.labels(rank=rank, hook=hook).observe(numbers.latency_s, _exemplar(exemplar))
     metrics.bucket_bytes.labels(rank=rank, hook=hook).inc(record.bytes)
     metrics.wire_bytes.labels(rank=rank, hook=hook).inc(numbers.wire_bytes)
     metrics.nonfinite.labels(rank=rank, hook=hook).inc(numbers.nonfinite)
@@ -151,8 +154,8 @@ def _step_seconds(record: BucketRecord) -> float | None:
     return seconds_between(start, end) if start is not None and end is not None else None
 
 
-def _exemplar(span: OwnedSpan) -> dict[str, str] | None:
-    if not span.is_recording:
+def _exemplar(span: OwnedSpan | None) -> dict[str, str] | None:
+    if span is None:
         return None
     context = span.context
     return {"trace_id": format(context.trace_id, "032x"), "span_id": format(context.span_id, "016x")}

@@ -25,6 +25,7 @@ from .metrics import TensorplayMetrics, active_metrics
 from .models import CallPlace, ModelsOfHook
 from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord
+from .timing import stamp
 from .tracing import tracer as default_tracer
 
 __all__ = ["traced", "DEFAULT_ERROR_EVERY"]
@@ -185,45 +186,46 @@ class _TracedHook:
     def _start_record(self, state: Any, bucket: dist.GradBucket, place: CallPlace) -> Optional[BucketRecord]:
         """Begin recording this call, or return None when nobody listens (or telemetry fails).
 
-        Once a span is started it is owned: it ends, on the finisher's thread, whatever fails here.
+        The span is not started here: the record takes its parent context and start time, and
+        ``tensorplay-finisher`` starts and ends it (docs/hook-path.md, "Cost on the training thread").
         """
-        span: Optional[OwnedSpan] = None
         try:
             metrics = self._metrics if self._metrics is not None else active_metrics()
             tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
-            started = tracer.start_span(HOOK_SPAN_NAME)
-            if metrics is None and not started.is_recording():
+            if metrics is None and not _may_record(tracer):
                 return None
-            span = OwnedSpan(started)
+            buffer = bucket.buffer()
+            called = stamp(buffer.device if buffer.is_cuda else None)
             # A shadowing rank's calls are not its own steps: it arrives first and waits for the
             # trainers, which would make them look late (and its wait is no compute either).
             shadowing = probe.in_shadow_phase()
             model, previous = place.model, place.previous_step_end
+            if place.first_of_step or model.rank_and_world is None:
+                model.rank_and_world = (dist.get_rank(), _world_size(state))
+            rank, world_size = model.rank_and_world
             record = BucketRecord(
                 hook=self._name,
                 reports_collectives=self._reports_collectives,
                 step=place.step,
-                rank=dist.get_rank(),
-                world_size=_world_size(state),
+                rank=rank,
+                world_size=world_size,
                 bucket_index=bucket.index(),
-                buffer=bucket.buffer(),
+                buffer=buffer,
                 sample_error=self._error_every > 0 and place.step % self._error_every == 0,
-                span=span,
+                span=OwnedSpan.later(tracer, HOOK_SPAN_NAME, called.unix_ns),
                 metrics=metrics,
                 previous_step_end=previous if place.first_of_step and model.index == 0 and not shadowing else None,
                 step_start=previous if place.last_of_step and not shadowing else None,
                 model=model.index,
+                called=called,
             )
             finisher().started()
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
-            if span is not None:  # end it off the training thread, like every span
-                finisher().started()
-                finisher().abandoned(span, incomplete="tensorplay could not start recording this hook call")
             return None
         try:
             if metrics is not None:
-                self._last_step_child(metrics, record.rank_label).set(record.called.unix_ns / 1e9)
+                self._last_step_child(metrics, record.rank_label).set(called.unix_ns / 1e9)
         except Exception:
             record.note_failure("last_step_timestamp")
         return record
@@ -235,6 +237,19 @@ class _TracedHook:
             cached = (metrics, rank_label, metrics.last_step_timestamp.labels(rank=rank_label))
             self._last_step_gauge = cached
         return cached[2]
+
+
+def _may_record(tracer: trace.Tracer) -> bool:
+    """Whether ``tracer`` may record spans, told without starting one: not OpenTelemetry's no-op.
+
+    A ``ProxyTracer`` is what the API hands out while no SDK provider is set (a provider set
+    later is picked up at the next call, since the tracer is looked up at every call).
+    """
+    if isinstance(tracer, trace.NoOpTracer):
+        return False
+    if isinstance(tracer, trace.ProxyTracer):
+        return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return True
 
 
 def _world_size(state: Any) -> int:
