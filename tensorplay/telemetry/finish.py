@@ -2,21 +2,21 @@
 
 A record reaches :meth:`Finisher.completed` from the callback that completes the hook's future
 (on whichever thread torch completes it: gloo's, or the training thread when the collective had
-completed before the hook chained on it), which only queues it.
+completed before the hook chained on it). A CPU record is finished right there: its span is
+started (with the parent and start time the training thread noted), :mod:`.outcome` reads its
+numbers and writes the hook metrics (the latency with the span's IDs as exemplar), and the span
+goes to the queue of tensorplay's thread. So metrics never wait for a span processor, and the
+training thread starts no span unless the collective had already completed.
 
-That one daemon thread, ``tensorplay-finisher``, does tensorplay's own work: for each record it
-polls (never waits on) the CUDA events its numbers are read from (CUDA only), starts its span with
-the parent and start time taken on the training thread, reads its numbers and writes the hook
-metrics (:mod:`.outcome`; the latency carries the span's IDs as exemplar), and ends the span. It
-also ends ``Join`` spans. Span processors run inside ``span.start()`` and ``span.end()`` and an
-application's may export in line to a slow or dead collector, and after a backward pass the
-training thread pays cache misses for every line of SDK and metrics code it runs: neither belongs
-on the training thread. The thread never completes a future and never runs a user's callback, so
-nothing a user chained can wait on it. The queue is bounded: when it is full a CPU record's
-metrics are written at once and its span is dropped and counted.
+That one daemon thread, ``tensorplay-finisher``, does the rest of tensorplay's own work: it polls
+(never waits on) the CUDA events a CUDA record's numbers are read from, then finishes it the same
+way, and it ends every span tensorplay started -- hook spans and ``Join`` spans -- because span
+processors run inside ``span.end()`` and an application's processor may export in line to a slow
+or dead collector. It never completes a future and never runs a user's callback, so nothing a
+user chained can wait on it. The queue is bounded: when it is full a span is dropped and counted.
 
 Every traced call is pending from the moment its record exists until its span has ended (or was
-dropped); :func:`flush` waits until nothing is, so metrics read after :func:`flush` are complete.
+dropped); :func:`flush` waits until nothing is.
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ class OwnedSpan:
 
     Either a started span (``Join``'s), or one still to start (:meth:`later`, a hook call's): the
     training thread takes only its parent context and start time, and the span is started, with
-    that parent and time, where it is ended, on tensorplay's thread. Starting an SDK span costs
-    the training thread about 10 us warm and over 100 us after a backward pass has evicted the
-    SDK's code and data from the caches (``bench/training_thread_cost.py``'s buckets do).
+    that parent and time, where the record is finished (the thread that completed the hook's
+    future). Starting an SDK span costs a thread about 10 us warm, and over 100 us after a
+    backward pass has evicted the SDK's code and data from the caches (as the buckets of
+    ``bench/training_thread_cost.py`` do).
     """
 
     __slots__ = ("_span", "_start", "_ended")
@@ -137,6 +138,8 @@ class _SpanEnd:
     end_time: int | None = None
     error: BaseException | None = None
     incomplete: str | None = None
+    record: BucketRecord | None = None
+    """The hook call whose span this is, if any: a drop is counted against it."""
 
 
 class Finisher:
@@ -177,20 +180,17 @@ class Finisher:
                 atexit.register(self.flush, _EXIT_FLUSH_S)
 
     def completed(self, record: BucketRecord) -> None:
-        """The hook's future of ``record`` completed (with a value or an error): queue the record.
+        """The hook's future of ``record`` completed (with a value or an error): finish the record.
 
         Called from the callback that completes the hook's future, on whichever thread torch
-        completes it: the training thread when the collective had completed before the hook
-        chained on it. So it only queues; the numbers, metrics and span are the thread's work.
+        completes it (gloo's, or the training thread when the collective had completed before the
+        hook chained on it). A CPU record is finished right there, so its metrics never wait for
+        a span processor; a CUDA record goes to the thread, which waits for its events.
         """
-        with self._wake:
-            if len(self._jobs) < self._capacity:
-                self._queue(record)
-                return
-        if record.device is not None:  # CUDA: its numbers wait for events: nothing can be read now
-            self._dropped(record)
-        else:  # a full queue (a stuck span processor) must not cost the metrics: those are exact now
-            self._finish(record, with_span=False)
+        if record.device is not None:
+            self._submit(record)
+        else:
+            self._finish(record)
 
     def abandoned(self, span: OwnedSpan, error: BaseException | None = None, incomplete: str | None = None) -> None:
         """End the span of a pending call that produced no record to finish (the hook raised, say)."""
@@ -222,16 +222,18 @@ class Finisher:
                 self._wake.wait(remaining)
         return True
 
-    def _finish(self, record: BucketRecord, with_span: bool = True) -> None:
-        """Start the span, read the numbers, write the metrics, end the span (tensorplay's thread).
+    def _finish(self, record: BucketRecord) -> None:
+        """Start the span, read the numbers, write the metrics, and end the span on the thread.
 
-        The span is started first so that the latency observation carries its IDs as exemplar.
-        ``with_span=False`` (the queue was full): the metrics only, the span dropped and counted.
+        The span is started first (on this thread, with the parent and start time the training
+        thread noted) so that the latency observation carries its IDs as exemplar. On the
+        thread (CUDA records) the span is ended at once, elsewhere it is queued for the thread.
         """
-        job = _SpanEnd(record.span, error=record.error)
+        job = _SpanEnd(record.span, error=record.error, record=record)
         record.collectives_seen_done()  # on CUDA, the in-flight gauge waited for their events
+        recording = False
         try:
-            recording = with_span and record.span.is_recording
+            recording = record.span.is_recording
             numbers = outcome(record)
             observe(record, numbers, record.span if recording else None)
             if recording:
@@ -243,30 +245,29 @@ class Finisher:
             _logger.warning("tensorplay: could not finish a hook record; training goes on", exc_info=True)
             _count(record, "resolver")
             job.incomplete = "tensorplay could not finish this record"
-        if with_span:
+            recording = True  # end it, whatever it is, with the failure
+        if not recording:  # no SDK records it: nothing to end
+            self._done()
+        elif threading.current_thread() is self._thread:
             self._end(job)
         else:
-            _count(record, "span_dropped")
-            self._done()
+            self._submit(job)
 
     def _submit(self, job: _SpanEnd | BucketRecord) -> None:
         with self._wake:
             if len(self._jobs) < self._capacity:
-                self._queue(job)
+                self._jobs.append(job)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tensorplay-finisher", daemon=True)
+                    self._thread.start()
+                self._wake.notify()
                 return
         self._dropped(job)
 
-    def _queue(self, job: _SpanEnd | BucketRecord) -> None:
-        """Append ``job`` for the thread (starting it the first time); hold ``self._wake``."""
-        self._jobs.append(job)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tensorplay-finisher", daemon=True)
-            self._thread.start()
-        self._wake.notify()
-
     def _dropped(self, job: _SpanEnd | BucketRecord) -> None:
-        if isinstance(job, BucketRecord):
-            _count(job, "span_dropped")
+        record = job if isinstance(job, BucketRecord) else job.record
+        if record is not None:
+            _count(record, "span_dropped")
         self._done()
 
     def _done(self) -> None:

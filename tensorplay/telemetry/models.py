@@ -54,14 +54,19 @@ class ModelSteps:
 class CallPlace:
     """Where one hook call stands: its model, step, and whether it begins or ends the step."""
 
-    __slots__ = ("model", "step", "first_of_step", "last_of_step", "previous_step_end")
+    __slots__ = ("model", "step", "first_of_step", "last_of_step", "previous_step_end", "bucket_index", "buffer")
 
-    def __init__(self, model: ModelSteps, step: int, first: bool, last: bool, previous: CollectiveEnds | None) -> None:
+    def __init__(
+        self, model: ModelSteps, step: int, first: bool, last: bool, previous: CollectiveEnds | None, index: int, buffer: Any
+    ) -> None:
         self.model = model
         self.step = step
         self.first_of_step = first
         self.last_of_step = last
         self.previous_step_end = previous
+        self.bucket_index = index
+        self.buffer = buffer
+        """The bucket's buffer and index, read once per call (each read costs the training thread)."""
 
 
 class ModelsOfHook:
@@ -82,15 +87,20 @@ class ModelsOfHook:
     def enter(self, bucket: Any) -> CallPlace:
         """Count one hook call of ``bucket`` and return where it stands in its model's steps."""
         last = bucket.is_last()
+        index = bucket.index()
+        try:
+            buffer = bucket.buffer()
+        except Exception:  # a test double without one: the one model of buckets that cannot tell
+            buffer = None
         with self._lock:
-            model = self._of(bucket)
+            model = self._of(bucket, buffer)
             first = model.expected_bucket == 0
-            place = CallPlace(model, model.step, first, last, model.previous_step_end)
+            place = CallPlace(model, model.step, first, last, model.previous_step_end, index, buffer)
             if last:
                 model.step += 1
                 model.expected_bucket = 0
             else:
-                model.expected_bucket = bucket.index() + 1
+                model.expected_bucket = index + 1
         return place
 
     @staticmethod
@@ -104,14 +114,15 @@ class ModelsOfHook:
         with self._lock:
             return sum(ref() is not None for ref in self._models)
 
-    def _of(self, bucket: Any) -> ModelSteps:
+    def _of(self, bucket: Any, buffer: Any) -> ModelSteps:
+        if buffer is None:
+            return self._single()
         try:
-            buffer = bucket.buffer()
             model = self._by_buffer.get(buffer)
             if model is None:
                 model = self._place(bucket, buffer)
             return model
-        except Exception:  # a bucket without parameters or buffer (a test double): one model
+        except Exception:  # a bucket without parameters (a test double): one model
             _logger.debug("tensorplay: cannot tell which model a bucket belongs to", exc_info=True)
             return self._single()
 

@@ -345,7 +345,8 @@ class BucketRecord:
         """
         try:
             with torch.no_grad():
-                proven = proof is not None and figures.all_finite(proof)
+                # A sampled step's error pass proves finiteness on its own: no pass over the proof.
+                proven = proof is not None and not self.sample_error and figures.all_finite(proof)
                 stage = pending.stage
                 stage.relative_error, stage.nonfinite, stage.input_nonfinite = figures.cast_figures(
                     pending.original, pending.approximation.dtype, pending.scale, self.sample_error, proven

@@ -13,6 +13,7 @@ import copy
 import logging
 import operator
 import os
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -189,12 +190,13 @@ class _TracedHook:
         The span is not started here: the record takes its parent context and start time, and
         ``tensorplay-finisher`` starts and ends it (docs/hook-path.md, "Cost on the training thread").
         """
+        tracer: Optional[trace.Tracer] = None
         try:
             metrics = self._metrics if self._metrics is not None else active_metrics()
             tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
             if metrics is None and not _may_record(tracer):
                 return None
-            buffer = bucket.buffer()
+            buffer = place.buffer if place.buffer is not None else bucket.buffer()
             called = stamp(buffer.device if buffer.is_cuda else None)
             # A shadowing rank's calls are not its own steps: it arrives first and waits for the
             # trainers, which would make them look late (and its wait is no compute either).
@@ -209,7 +211,7 @@ class _TracedHook:
                 step=place.step,
                 rank=rank,
                 world_size=world_size,
-                bucket_index=bucket.index(),
+                bucket_index=place.bucket_index,
                 buffer=buffer,
                 sample_error=self._error_every > 0 and place.step % self._error_every == 0,
                 span=OwnedSpan.later(tracer, HOOK_SPAN_NAME, called.unix_ns),
@@ -222,6 +224,10 @@ class _TracedHook:
             finisher().started()
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
+            if tracer is not None and _may_record(tracer):  # the call still gets its span, marked incomplete
+                finisher().started()
+                span = OwnedSpan.later(tracer, HOOK_SPAN_NAME, time.time_ns())
+                finisher().abandoned(span, incomplete="tensorplay could not start recording this hook call")
             return None
         try:
             if metrics is not None:
