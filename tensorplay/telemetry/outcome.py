@@ -8,8 +8,7 @@ The live gauges (the last hook call, the collectives in flight) are set where th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .figures import error_value, to_number
 from .names import Attr
@@ -22,9 +21,8 @@ if TYPE_CHECKING:
 __all__ = ["Outcome", "outcome", "observe", "span_attributes"]
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """The numbers of one finished hook call."""
+class Outcome(NamedTuple):
+    """The numbers of one finished hook call (a named tuple: made once per bucket, cheaply)."""
 
     latency_s: float
     compute_s: float | None
@@ -121,23 +119,23 @@ def observe(record: BucketRecord, numbers: Outcome, exemplar: OwnedSpan | None =
     metrics = record.metrics
     if metrics is None:
         return
-    rank, hook = record.rank_label, record.hook_label
-    metrics.allreduce_latency.labels(rank=rank, hook=hook).observe(numbers.latency_s, _exemplar(exemplar))
-    metrics.bucket_bytes.labels(rank=rank, hook=hook).inc(record.bytes)
-    metrics.wire_bytes.labels(rank=rank, hook=hook).inc(numbers.wire_bytes)
-    metrics.nonfinite.labels(rank=rank, hook=hook).inc(numbers.nonfinite)
+    rank, hook, child = record.rank_label, record.hook_label, metrics.child
+    child(metrics.allreduce_latency, rank, hook).observe(numbers.latency_s, _exemplar(exemplar))
+    child(metrics.bucket_bytes, rank, hook).inc(record.bytes)
+    child(metrics.wire_bytes, rank, hook).inc(numbers.wire_bytes)
+    child(metrics.nonfinite, rank, hook).inc(numbers.nonfinite)
     if numbers.bucket_nonfinite is not None:
-        metrics.bucket_nonfinite.labels(rank=rank, hook=hook).inc(numbers.bucket_nonfinite)
+        child(metrics.bucket_nonfinite, rank, hook).inc(numbers.bucket_nonfinite)
     if numbers.relative_error is not None:
-        metrics.compression_error.labels(rank=rank, hook=hook).observe(numbers.relative_error)
+        child(metrics.compression_error, rank, hook).observe(numbers.relative_error)
     if numbers.compute_s is not None:
-        metrics.step_compute.labels(rank=rank).observe(numbers.compute_s)
+        child(metrics.step_compute, rank).observe(numbers.compute_s)
     if numbers.step_s is not None:
         # The last bucket's wait is how long this rank stood at the step's end for the last of its
         # peers to arrive: what the peers did not wait for it (docs/telemetry.md, "Lateness").
-        metrics.step_wait.labels(rank=rank, hook=hook).inc(numbers.latency_s)
-        metrics.step_seconds.labels(rank=rank, hook=hook).inc(numbers.step_s)
-        metrics.steps.labels(rank=rank, hook=hook).inc()
+        child(metrics.step_wait, rank, hook).inc(numbers.latency_s)
+        child(metrics.step_seconds, rank, hook).inc(numbers.step_s)
+        child(metrics.steps, rank, hook).inc()
 
 
 def _compute_seconds(record: BucketRecord) -> float | None:

@@ -142,8 +142,6 @@ class _TracedHook:
         self._tracer_provider = tracer_provider
         self._own_tracer = default_tracer(tracer_provider) if tracer_provider is not None else None
         self._models = ModelsOfHook()
-        self._last_step_gauge: tuple[TensorplayMetrics, str, Any] | None = None
-        """(metrics, rank label, that rank's last-step child): the same at every call."""
         self.__wrapped__ = hook
         self.__doc__ = getattr(hook, "__doc__", None)
         self.__module__ = getattr(hook, "__module__", __name__)
@@ -231,18 +229,10 @@ class _TracedHook:
             return None
         try:
             if metrics is not None:
-                self._last_step_child(metrics, record.rank_label).set(called.unix_ns / 1e9)
+                metrics.child(metrics.last_step_timestamp, record.rank_label).set(called.unix_ns / 1e9)
         except Exception:
             record.note_failure("last_step_timestamp")
         return record
-
-    def _last_step_child(self, metrics: TensorplayMetrics, rank_label: str) -> Any:
-        """The last-step gauge of this rank, looked up once (``labels()`` costs more than ``set()``)."""
-        cached = self._last_step_gauge
-        if cached is None or cached[0] is not metrics or cached[1] != rank_label:
-            cached = (metrics, rank_label, metrics.last_step_timestamp.labels(rank=rank_label))
-            self._last_step_gauge = cached
-        return cached[2]
 
 
 def _may_record(tracer: trace.Tracer) -> bool:
