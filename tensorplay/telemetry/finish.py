@@ -284,10 +284,11 @@ class Finisher:
             with self._wake:
                 while not self._jobs:
                     self._wake.wait()
-                batch = list(self._jobs)
-                self._jobs.clear()
+                batch, self._jobs = self._jobs, deque()
+            taken = len(batch)
             waiting: list[BucketRecord] = []
-            for job in batch:
+            while batch:  # popped one by one: each job (and its record) is let go once it is done
+                job = batch.popleft()
                 if isinstance(job, BucketRecord):
                     if _events_happened(job):
                         self._finish(job)
@@ -295,13 +296,13 @@ class Finisher:
                         waiting.append(job)
                 else:
                     self._end(job)
-                del job  # let go of the record (and its tensors) before idling
+                del job
             if not waiting:
                 pause = _FIRST_POLL_S
                 continue
             with self._wake:
                 self._jobs.extendleft(reversed(waiting))
-            progressed = len(waiting) < len(batch)
+            progressed = len(waiting) < taken
             pause = _FIRST_POLL_S if progressed else min(pause * 2, _SLOWEST_POLL_S)
             del waiting
             time.sleep(pause)
