@@ -1,7 +1,8 @@
 """``traced(hook)``: any DDP communication hook, plus spans and metrics for every bucket.
 
 The first stage of a traced bucket, on the training thread (docs/hook-path.md maps the rest):
-it places the bucket in its model's steps (:mod:`.models`), starts the span, builds a
+it places the bucket in its model's steps (:mod:`.models`), notes the span's parent context and
+start time (the span itself is started where :mod:`.finish` finishes the record), builds a
 :class:`~tensorplay.telemetry.recorder.BucketRecord` and installs it as the probe's recorder, so
 tensorplay's hooks report their own collectives and compression (a user's hook gets bucket
 sizes and latency), runs the very same hook (same gradients, bit for bit), and chains one plain
