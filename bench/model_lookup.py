@@ -1,7 +1,7 @@
 """What telling the DDP models of a traced hook apart costs per bucket.
 
 Runs as one gloo rank. Inside a real DDP hook, on a real ``GradBucket`` of 200 parameters, it
-times :meth:`ModelsOfHook.of` (the per-bucket look-up of ``traced``) against ``bucket.is_last()``
+times :meth:`ModelsOfHook.enter` (the per-bucket look-up of ``traced``) against ``bucket.is_last()``
 (the cheapest call a hook makes, as a yardstick) in interleaved rounds, after the look-up has
 placed the bucket once, and prints the medians and quartiles of the rounds.
 
@@ -42,9 +42,9 @@ def main() -> None:
     rounds: list[tuple[float, float]] = []
 
     def timing_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        models.of(bucket)  # places the bucket: what every later call finds
+        models.enter(bucket)  # places the bucket: what every later call finds
         for _ in range(args.rounds):
-            rounds.append((_per_call_us(lambda: models.of(bucket), args.calls), _per_call_us(bucket.is_last, args.calls)))
+            rounds.append((_per_call_us(lambda: models.enter(bucket), args.calls), _per_call_us(bucket.is_last, args.calls)))
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(bucket.buffer())
         return future
@@ -52,7 +52,7 @@ def main() -> None:
     model.register_comm_hook(None, timing_hook)
     model(torch.randn(2, 64)).sum().backward()
     dist.destroy_process_group()
-    for name, values in (("ModelsOfHook.of", [r[0] for r in rounds]), ("bucket.is_last", [r[1] for r in rounds])):
+    for name, values in (("ModelsOfHook.enter", [r[0] for r in rounds]), ("bucket.is_last", [r[1] for r in rounds])):
         q1, median, q3 = statistics.quantiles(values, n=4)
         print(f"{name:16} {median:.3f} us per call (IQR {q1:.3f}-{q3:.3f}, {len(values)} rounds x {args.calls})")
 

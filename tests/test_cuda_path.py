@@ -41,7 +41,7 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from tensorplay.telemetry import flush
 from tensorplay.telemetry.names import Attr
-from tensorplay.telemetry.resolver import resolver
+from tensorplay.telemetry.finish import finisher
 
 from . import parity_cases, traced_cases, training
 from .ranks import free_port, run_ranks
@@ -342,7 +342,7 @@ def _settled_footprint() -> dict[str, int]:
     """Once the device, the telemetry and NCCL caught up: objects, live records, device bytes."""
     torch.cuda.synchronize()
     assert flush(60), "records still pending"
-    watcher = resolver()._watcher
+    watcher = finisher()
     # The in-flight gauge's last completions.
     wait_until(lambda: not watcher.waiting(), 30, "the event watcher to have no event left", interval=0.01)
     gc.collect()
@@ -381,7 +381,7 @@ def test_a_long_run_keeps_records_events_and_device_memory_flat(nccl: None) -> N
         model(batch).square().mean().backward()
         optimizer.step()
         if step % 100 == 0:
-            in_flight.append((resolver().pending(), resolver()._watcher.waiting()))
+            in_flight.append((finisher().pending(), finisher().waiting()))
         if step in (300, SOAK_STEPS):
             footprints[step] = _settled_footprint()
     early, late = footprints[300], footprints[SOAK_STEPS]

@@ -1,5 +1,6 @@
-"""Telemetry parts that need no ranks: span life, span ending, the in-flight gauge, figures on
-the CUDA path (exercised with stand-in events on CPU), and configure_tracing's set-up rules."""
+"""Telemetry parts that need no ranks: span life, the finisher's thread, where callbacks run, the
+in-flight gauge, figures (the CUDA path exercised with stand-in events on CPU), and
+configure_tracing's set-up rules."""
 
 import os
 import threading
@@ -17,10 +18,9 @@ from prometheus_client import CollectorRegistry
 
 from tensorplay.telemetry import TensorplayMetrics, configure_tracing
 from tensorplay.telemetry import figures
-from tensorplay.telemetry.device_events import EventWatcher
+from tensorplay.telemetry.finish import Finisher, OwnedSpan, _events_happened
+from tensorplay.telemetry.outcome import observe, outcome
 from tensorplay.telemetry.recorder import BucketRecord, CompressionStage
-from tensorplay.telemetry.resolver import _events_happened, observe, resolve
-from tensorplay.telemetry.spans import OwnedSpan, SpanEnd, SpanEnder
 from tensorplay.telemetry.timing import Stamp, happened, seconds_between, unix_ns
 
 
@@ -61,7 +61,6 @@ def _record(metrics: TensorplayMetrics | None = None) -> BucketRecord:
         metrics=metrics,
         previous_step_end=None,
         step_start=None,
-        on_collective_end=lambda end, action: action(),
     )
 
 
@@ -94,40 +93,40 @@ class _BlockingSpan:
         self.ended += 1
 
 
-def test_the_ender_queue_is_bounded_and_drops_are_counted() -> None:
-    ender = SpanEnder(capacity=2)
+def _wait_until(condition: Any, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_the_finisher_queue_is_bounded_and_a_drop_is_no_longer_pending() -> None:
+    finisher = Finisher(capacity=2)
     stuck = _BlockingSpan()
-    dropped, finished = [], []
-    ender.submit(SpanEnd(stuck, then=lambda: finished.append(0)))  # type: ignore[arg-type]
-    assert stuck.entered.wait(10)
-    accepted = [
-        ender.submit(SpanEnd(stuck, then=lambda i=i: finished.append(i), dropped=lambda i=i: dropped.append(i)))  # type: ignore[arg-type]
-        for i in (1, 2, 3)
-    ]
-    assert accepted == [True, True, False] and dropped == [3] and finished == [3]
+    for _ in range(4):
+        finisher.started()
+    finisher.abandoned(stuck)  # type: ignore[arg-type]
+    assert stuck.entered.wait(10)  # the thread took it: the queue is empty again
+    for _ in range(3):
+        finisher.abandoned(stuck)  # type: ignore[arg-type]
+    assert finisher.waiting() == 2 and finisher.pending() == 3  # the third was dropped, not queued
+    assert not finisher.flush(0.05)
     stuck.release.set()
-    for _ in range(100):
-        if len(finished) == 4:
-            break
-        threading.Event().wait(0.05)
-    assert sorted(finished) == [0, 1, 2, 3] and stuck.ended == 3
+    assert finisher.flush(10) and stuck.ended == 3
 
 
-class _NeverDone:
-    def __init__(self) -> None:
-        self.waits: list[float] = []
-
-    def wait(self, timeout: float) -> bool:
-        self.waits.append(timeout)
-        return False
-
-
-def test_a_late_span_costs_one_budget_then_nobody_waits() -> None:
-    ender = SpanEnder(budget_s=0.01)
-    first, second, third = _NeverDone(), _NeverDone(), _NeverDone()
-    for done in (first, second, third):
-        ender.wait_briefly(SpanEnd(None, done=done))  # type: ignore[arg-type]
-    assert first.waits == [0.01] and second.waits == [] and third.waits == []
+def test_a_join_span_is_ended_on_the_finisher_thread_and_flushed() -> None:
+    tracer, exporter = _tracer()
+    finisher = Finisher()
+    ended_on: list[str] = []
+    span = tracer.start_span("tensorplay.join")
+    original_end = span.end
+    span.end = lambda **kwargs: (ended_on.append(threading.current_thread().name), original_end(**kwargs))  # type: ignore[method-assign]
+    finisher.end_span(OwnedSpan(span), {"a": 1}, end_time=span.start_time + 5)  # type: ignore[operator]
+    assert finisher.flush(10)
+    (finished,) = exporter.get_finished_spans()
+    assert ended_on == ["tensorplay-finisher"] and finished.attributes["a"] == 1
+    assert finished.end_time == finished.start_time + 5
 
 
 # --- the in-flight gauge -------------------------------------------------------------------------
@@ -192,9 +191,9 @@ def test_an_overflowed_cuda_figure_is_left_out_as_on_cpu() -> None:
     record = _record(metrics)
     record.stages.append(CompressionStage("float16", error, created, already, None))
     record.ends.completed = record.called
-    outcome = resolve(record)
-    assert outcome.relative_error is None and outcome.nonfinite == 16
-    observe(record, outcome)
+    numbers = outcome(record)
+    assert numbers.relative_error is None and numbers.nonfinite == 16
+    observe(record, numbers)
     labels = {"rank": "0", "hook": "fp16_compress_hook"}
     assert metrics.registry.get_sample_value("tensorplay_compression_error_ratio_sum", labels) is None
     assert metrics.registry.get_sample_value("tensorplay_nonfinite_elements_total", labels) == 16
@@ -225,55 +224,121 @@ def test_figures_recomputed_from_the_input_equal_those_of_the_compressed_tensor(
     assert not figures.all_finite(torch.tensor([1.0, float("nan")])) and figures.all_finite(large.half())
 
 
-def test_a_completed_collectives_continuation_runs_off_the_training_thread() -> None:
-    from tensorplay.telemetry.offthread import then_off_this_thread
-
-    def where(done: torch.futures.Future) -> tuple[str, int]:
-        return threading.current_thread().name, done.value() + 1
-
-    completed: torch.futures.Future = torch.futures.Future()
-    completed.set_result(1)
-    assert then_off_this_thread(completed, where).wait() == ("tensorplay-continuations", 2)
-    failed: torch.futures.Future = torch.futures.Future()
-    failed.set_exception(ValueError("collective failed"))
-    with pytest.raises(ValueError, match="collective failed"):
-        then_off_this_thread(failed, where).wait()
-    pending: torch.futures.Future = torch.futures.Future()
-    chained = then_off_this_thread(pending, where)
-    pending.set_result(5)  # a pending one continues where it completes, as then() does
-    assert chained.wait() == (threading.current_thread().name, 6)
+class _FakeGroup:
+    def size(self) -> int:
+        return 1
 
 
-def test_a_forked_child_runs_completed_continuations_on_a_thread_of_its_own() -> None:
-    """The parent's continuation thread does not survive a fork: the child must start its own."""
-    from tensorplay.telemetry.offthread import then_off_this_thread
+class _Work:
+    """A collective's work whose future completes at once (the one-rank case) or when told."""
 
-    completed: torch.futures.Future = torch.futures.Future()
-    completed.set_result(1)
-    assert then_off_this_thread(completed, lambda done: done.value()).wait() == 1  # the parent's thread runs
+    def __init__(self, tensor: torch.Tensor, done: bool) -> None:
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.result = [tensor]
+        if done:
+            self.future.set_result(self.result)
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+
+@pytest.mark.parametrize("already_done", [True, False], ids=["completed at launch", "completed later"])
+def test_callbacks_run_where_torch_runs_them(monkeypatch: pytest.MonkeyPatch, already_done: bool) -> None:
+    """The hook's decompression and the user's callbacks run on the thread that completes the collective.
+
+    Completed at launch: inline, on the calling thread, as torch runs them; later: on the thread
+    that completes it. Never on tensorplay's thread.
+    """
+    import types
+
+    from tensorplay.distributed.algorithms.ddp_comm_hooks import _common, default_hooks
+    from tensorplay.telemetry.probe import install_recorder, uninstall_recorder
+
+    works: list[_Work] = []
+
+    def all_reduce(tensor: torch.Tensor, group: Any = None, async_op: bool = True) -> _Work:
+        works.append(_Work(tensor, already_done))
+        return works[-1]
+
+    monkeypatch.setattr(
+        _common, "dist", types.SimpleNamespace(all_reduce=all_reduce, group=types.SimpleNamespace(WORLD=_FakeGroup()))
+    )
+    monkeypatch.setattr(default_hooks.dist, "ProcessGroup", _FakeGroup, raising=False)
+    buffer = torch.randn(1000)
+    expected = buffer.to(torch.float16).to(torch.float32)
+    expected_error = float((buffer - expected).norm() / buffer.norm())
+    record = _record(TensorplayMetrics(CollectorRegistry()))
+    record.sample_error = True
+    handed: list[str] = []
+    token = install_recorder(record)
+    try:
+        future = default_hooks.fp16_compress_hook(None, (buffer,))  # type: ignore[arg-type]
+    finally:
+        uninstall_recorder(token)
+    followed = record.follow(future, None, lambda r: handed.append(threading.current_thread().name))
+    seen: list[str] = []
+    result = followed.then(lambda done: (seen.append(threading.current_thread().name), done.value())[1])
+    if not already_done:
+        completer = threading.Thread(target=lambda: works[0].future.set_result(works[0].result), name="collective")
+        completer.start()
+        completer.join()
+    where = threading.current_thread().name if already_done else "collective"
+    assert torch.equal(result.wait(), expected)
+    assert seen == handed == [where]
+    (stage,) = record.stages
+    assert stage.relative_error == pytest.approx(expected_error, rel=1e-6)
+
+
+def test_a_cast_to_the_buckets_own_dtype_is_counted_before_the_collective() -> None:
+    """A float16 bucket under fp16 compression is DDP's buffer itself: counted now, error 0."""
+    record = _record()
+    record.sample_error = True
+    bucket = torch.ones(64, dtype=torch.float16)
+    bucket[:3] = float("nan")
+    record.compression("float16", bucket, bucket.to(torch.float16), scale=2, recomputable=True)
+    bucket.fill_(float("nan"))  # the collective's sum over ranks overwrites it
+    (stage,) = record.stages
+    assert (stage.relative_error, stage.nonfinite, stage.input_nonfinite) == (None, 0, 3)
+    clean = torch.ones(64, dtype=torch.bfloat16)
+    record.compression("bfloat16", clean, clean.to(torch.bfloat16), recomputable=True)
+    assert (record.stages[1].relative_error, record.stages[1].nonfinite, record.stages[1].input_nonfinite) == (0.0, 0, 0)
+
+
+def test_a_forked_child_finishes_on_a_thread_of_its_own() -> None:
+    """The parent's finisher thread does not survive a fork: the child must start its own."""
+    from tensorplay.telemetry.finish import finisher
+
+    tracer, _ = _tracer()
+    finisher().started()
+    finisher().abandoned(OwnedSpan(tracer.start_span("parent")))
+    assert finisher().flush(10)  # the parent's thread runs
     pid = os.fork()
-    if pid == 0:  # the child: exit 0 only if its continuation ran
+    if pid == 0:  # the child: exit 0 only if its span was ended
         status = 1
         try:
-            chained = then_off_this_thread(completed, lambda done: done.value() + 1)
-            deadline = time.monotonic() + 5
-            while not chained.done() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            status = 0 if chained.done() and chained.value() == 2 else 1
+            finisher().started()
+            finisher().abandoned(OwnedSpan(tracer.start_span("child")))
+            status = 0 if finisher().flush(5) else 1
         finally:
             os._exit(status)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's continuation never ran"
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's span never ended"
 
 
-def test_the_event_watcher_acts_once_events_complete() -> None:
-    watcher = EventWatcher()
-    event = FakeEvent(0.0)
-    acted = threading.Event()
-    watcher.when(lambda: event.query(), acted.set)
-    assert not acted.wait(0.05) and watcher.waiting() == 1
-    event.done = True
-    assert acted.wait(5) and watcher.waiting() == 0
+def test_a_cuda_record_is_finished_once_its_events_complete() -> None:
+    metrics = TensorplayMetrics(CollectorRegistry())
+    record = _record(metrics)
+    record.device = torch.device("cuda")
+    record.called = Stamp(0, 0, FakeEvent(0.0))
+    record.ends.completed = Stamp(0, 0, FakeEvent(2.0))
+    finisher = Finisher()
+    finisher.started()
+    finisher.completed(record)
+    assert not finisher.flush(0.05) and finisher.waiting() == 1
+    record.called.event.done = record.ends.completed.event.done = True
+    assert finisher.flush(5) and finisher.waiting() == 0
+    labels = {"rank": "0", "hook": "fp16_compress_hook"}
+    assert metrics.registry.get_sample_value("tensorplay_bucket_bytes_total", labels) == 32
 
 
 # --- configure_tracing ---------------------------------------------------------------------------
@@ -408,42 +473,25 @@ def test_an_applications_own_metrics_keep_their_created_series() -> None:
 # --- a slow span processor, told apart from a busy machine ---------------------------------------
 
 
-class _QuickSpan:
+class _SlowSpan:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
     def end(self, *args: Any) -> None:
-        pass
+        time.sleep(self.seconds)
 
 
 def test_only_a_slow_span_processor_is_called_slow(caplog: pytest.LogCaptureFixture) -> None:
-    from tensorplay.telemetry import spans
+    from tensorplay.telemetry import finish
 
-    caplog.set_level("DEBUG", logger="tensorplay.telemetry.spans")
-    stuck = _BlockingSpan()
-    ender = SpanEnder(budget_s=0.05)
-    ender.submit(SpanEnd(stuck))  # type: ignore[arg-type]
-    assert stuck.entered.wait(10)
-    threading.Event().wait(spans.SLOW_END_S)  # the end() has been running this long
-    waiting = SpanEnd(_QuickSpan())  # type: ignore[arg-type]
-    ender.submit(waiting)
-    ender.wait_briefly(waiting)
-    stuck.release.set()
+    caplog.set_level("DEBUG", logger="tensorplay.telemetry.finish")
+    finisher = Finisher()
+    for span in (_SlowSpan(0.0), _SlowSpan(finish.SLOW_END_S), _SlowSpan(finish.SLOW_END_S)):
+        finisher.started()
+        finisher.abandoned(span)  # type: ignore[arg-type]
+    assert finisher.flush(10)
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warned) == 1 and "rank 0: the span processor is slow: ending one span has taken" in warned[0]
-
-
-def test_a_busy_machine_is_not_called_a_slow_span_processor(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    caplog.set_level("DEBUG", logger="tensorplay.telemetry.spans")
-    healthy = SpanEnder(budget_s=0.0)  # a waiter that gets no time at all
-    monkeypatch.setattr(healthy, "_start", lambda: None)  # and an ender's thread that has not run yet
-    for _ in range(3):
-        job = SpanEnd(_QuickSpan())  # type: ignore[arg-type]
-        healthy.submit(job)
-        healthy._no_wait_until = 0.0  # wait each time, past the cool-down
-        healthy.wait_briefly(job)
-    assert not [r for r in caplog.records if r.levelname == "WARNING"]
-    assert healthy.late_waits == 3  # each run-out wait is counted, and logged at debug level
-    assert sum("its processor is not slow" in r.getMessage() for r in caplog.records) == 3
+    assert len(warned) == 1 and "rank 0: the span processor is slow: ending one span took" in warned[0]
 
 
 # --- a collective whose launch raises -----------------------------------------------------------

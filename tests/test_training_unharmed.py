@@ -37,7 +37,7 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import Power
 from tensorplay.telemetry import TensorplayMetrics, flush
 from tensorplay.telemetry.names import Attr
 from tensorplay.telemetry.recorder import BucketRecord
-from tensorplay.telemetry.resolver import resolver
+from tensorplay.telemetry.finish import finisher
 
 from .ranks import run_ranks
 from .training import BUCKET_CAP_MB, make_model, rank_batch, train
@@ -214,7 +214,7 @@ def failing_spans(rank: int) -> dict:
         raise RuntimeError("a metric that cannot be recorded")
 
     metrics.allreduce_latency.labels = broken_labels  # type: ignore[method-assign]
-    outcome["resolver failed"] = _spans_of(default_hooks.allreduce_hook, rank, metrics=metrics)
+    outcome["finishing failed"] = _spans_of(default_hooks.allreduce_hook, rank, metrics=metrics)
 
     # Telemetry fails after the span started, before its record exists.
     class Unreadable:
@@ -265,7 +265,7 @@ def soak(rank: int) -> dict:
         model(batch).square().mean().backward()
         optimizer.step()
         if step % 100 == 0:
-            pending.append(resolver().pending())
+            pending.append(finisher().pending())
         if step in (300, SOAK_STEPS):
             flush(30)
             gc.collect()
@@ -349,6 +349,51 @@ def two_models(rank: int) -> dict:
     return outcome
 
 
+def _counted_steps(registry: CollectorRegistry, rank: int) -> dict:
+    return {
+        "compute observations": registry.get_sample_value("tensorplay_step_compute_seconds_count", {"rank": str(rank)}),
+        "steps counted": registry.get_sample_value(
+            "tensorplay_steps_total", {"rank": str(rank), "hook": "allreduce_hook"}
+        ),
+    }
+
+
+def freed_then_new_model(rank: int) -> dict:
+    """A model trains 3 steps and is freed; a new one takes its place for 3 more."""
+    metrics = TensorplayMetrics(CollectorRegistry())
+    hook = traced(default_hooks.allreduce_hook, metrics=metrics)
+    for seed in (1, 2):
+        model = DDP(make_model(seed=seed), bucket_cap_mb=BUCKET_CAP_MB)
+        model.register_comm_hook(None, hook)
+        for step in range(3):
+            model(rank_batch(rank, step)).square().mean().backward()
+        assert flush(30)
+        del model
+        gc.collect()
+    return {**_counted_steps(metrics.registry, rank), "models": hook._models.count()}  # type: ignore[attr-defined]
+
+
+def models_sharing_a_parameter(rank: int) -> dict:
+    """Two DDP models whose first layer is one and the same module, each with a layer of its own."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    hook = traced(default_hooks.allreduce_hook, metrics=TensorplayMetrics(CollectorRegistry()), tracer_provider=provider)
+    torch.manual_seed(0)
+    shared = nn.Linear(32, 32)
+    models = [DDP(nn.Sequential(shared, nn.Linear(32, 32))) for _ in range(2)]
+    for model in models:
+        model.register_comm_hook(None, hook)
+    for step in range(3):
+        for model in models:
+            model(rank_batch(rank, step)[:, :32]).square().mean().backward()
+    assert flush(30)
+    steps: dict[int, list[int]] = {}
+    for span in exporter.get_finished_spans():
+        steps.setdefault(span.attributes[Attr.MODEL], []).append(span.attributes[Attr.STEP])
+    return {model: sorted(s) for model, s in steps.items()}
+
+
 def all_scenarios(rank: int, world_size: int) -> dict:
     return {
         "powersgd": powersgd_latency(rank),
@@ -356,6 +401,8 @@ def all_scenarios(rank: int, world_size: int) -> dict:
         "failures": failing_spans(rank),
         "soak": soak(rank),
         "two models": two_models(rank),
+        "freed model": freed_then_new_model(rank),
+        "shared parameter": models_sharing_a_parameter(rank),
     }
 
 
@@ -405,7 +452,7 @@ def test_a_failed_hook_or_collective_ends_its_span_once_with_error(
         assert result["exceptions"] == [expected_exception]
 
 
-@pytest.mark.parametrize("case, description", [("resolver failed", "could not finish"), ("record failed", "could not start")])
+@pytest.mark.parametrize("case, description", [("finishing failed", "could not finish"), ("record failed", "could not start")])
 def test_telemetry_failures_end_the_span_and_spare_training(outcomes: list[dict], case: str, description: str) -> None:
     for outcome in outcomes:
         result = outcome["failures"][case]
@@ -442,3 +489,17 @@ def test_one_traced_hook_on_two_models_counts_each_models_steps(outcomes: list[d
             assert len(set(per_step)) == 1 and per_step[0] >= 3, (model, per_step)
         assert result["latency counts"] == [result["spans"][0], result["spans"][1]]  # hook="<name>", "<name>#1"
         assert result["compute observations"] == TWO_MODEL_STEPS - 1  # the first model's iterations
+
+
+def test_a_model_that_replaces_a_freed_one_starts_its_own_steps(outcomes: list[dict]) -> None:
+    for outcome in outcomes:
+        result = outcome["freed model"]
+        # Steps 1 and 2 of each model follow a step of the same model; its step 0 follows none.
+        assert result["compute observations"] == 4, "the new model's first step was timed from the freed one's last"
+        assert result["steps counted"] == 4
+        assert result["models"] == 0, "a freed model's state outlived it"
+
+
+def test_models_sharing_a_parameter_are_two_models(outcomes: list[dict]) -> None:
+    for outcome in outcomes:
+        assert outcome["shared parameter"] == {0: [0, 1, 2], 1: [0, 1, 2]}

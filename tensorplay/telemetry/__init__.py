@@ -26,7 +26,7 @@ _HOME = {
     "wait_for_final_scrape": "metrics",
     "configure_tracing": "tracing",
     "SystemRandomIdGenerator": "tracing",
-    "flush": "resolver",
+    "flush": "finish",
 }
 """The submodule each public name lives in."""
 

@@ -1,7 +1,7 @@
 """The compression figures: relative L2 error and non-finite elements created by compression.
 
 Each figure is computed in exactly one place, here. On CPU the figures are plain numbers; on
-CUDA they stay 0-dim device tensors (no synchronization on the hot path) that the resolver
+CUDA they stay 0-dim device tensors (no synchronization on the hot path) that the finisher
 turns into numbers later with :func:`to_number`.
 """
 
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["compression_figures", "cast_figures", "all_finite", "to_number", "error_value"]
+__all__ = ["compression_figures", "cast_figures", "same_dtype_figures", "all_finite", "to_number", "error_value"]
 
 # Elements per slice of the CPU error pass: a 1 MiB float32 scratch slice stays in cache, and a
 # 25 MB bucket takes 25 slices of three calls each (2^16 took 100: 24 % slower per bucket,
@@ -62,20 +62,39 @@ def cast_figures(
     The approximation is recomputed from ``original`` (bit for bit what the hook made, since a
     cast and a division are exact functions of their input), so the figures can be taken after
     the collective has overwritten the hook's compressed tensor, as long as ``original`` is
-    unchanged. ``proven_finite`` says that the approximation is known to hold no non-finite
+    unchanged. The error pass casts slice by slice, in cache, and its finite sums prove every
+    element finite. ``proven_finite`` says that the approximation is known to hold no non-finite
     element (every rank's contribution to a finite all-reduce result is finite): the counts are
-    then zero without a pass, and the error pass casts slice by slice, in cache. Otherwise the
-    approximation is rebuilt whole and the figures are exactly those of :func:`compression_figures`.
-    CPU only.
+    then zero without a pass. Otherwise, where nothing proved it finite, the approximation is
+    rebuilt whole and the figures are exactly those of :func:`compression_figures`. CPU only.
     """
-    if not proven_finite:
-        return compression_figures(original, _cast(original.reshape(-1), dtype, scale), scale, None, with_error)
-    if not with_error:
+    if with_error:
+        # The error pass proves finiteness itself: finite sums mean every element of the input
+        # and of its cast is finite, so a sampled step needs no separate proof (or counting pass).
+        error_sq, reference_sq = _squared_norms_by_slices(original.reshape(-1), None, scale, dtype)
+        if math.isfinite(error_sq) and math.isfinite(reference_sq):
+            return _ratio(error_sq**0.5, reference_sq**0.5), 0, 0
+        if proven_finite:
+            return None, 0, 0  # finite approximation: its input is finite too, whatever the norms did
+    elif proven_finite:
         return None, 0, 0
-    error_sq, reference_sq = _squared_norms_by_slices(original.reshape(-1), None, scale, dtype)
-    if math.isfinite(error_sq) and math.isfinite(reference_sq):
-        return _ratio(error_sq**0.5, reference_sq**0.5), 0, 0
-    return None, 0, 0  # finite approximation: its input is finite too, whatever the norms did
+    return compression_figures(original, _cast(original.reshape(-1), dtype, scale), scale, None, with_error)
+
+
+def same_dtype_figures(original: torch.Tensor, with_error: bool) -> tuple[Figure | None, Figure, Figure]:
+    """The figures of a cast to ``original``'s own dtype, which changes no element.
+
+    Its relative error is 0 and it makes nothing non-finite; what is counted is the non-finite
+    elements ``original`` already holds (on CUDA as a device tensor; on CPU a finite sum spares
+    the counting pass). The error is None, as everywhere, where the bucket is not finite.
+    """
+    if original.is_cuda:
+        already = _nonfinite_count(original)
+        error = torch.where(already == 0, 0.0, float("nan")) if with_error else None
+        return error, 0, already
+    if all_finite(original):
+        return (0.0 if with_error else None), 0, 0
+    return None, 0, int(_nonfinite_count(original))
 
 
 def _cast(original: torch.Tensor, dtype: torch.dtype, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,8 +112,9 @@ def _squared_norms_by_slices(
     Without ``approximation``, each slice of it is recomputed as ``original.to(cast_to) / scale``.
     """
     dtype = torch.promote_types(original.dtype, torch.float32)
-    scratch = torch.empty(min(_SLICE, original.numel()), dtype=dtype)
-    cast_scratch = torch.empty(scratch.numel(), dtype=cast_to) if approximation is None else None
+    difference_scratch = torch.empty(min(_SLICE, original.numel()), dtype=dtype)
+    widened_scratch = torch.empty(difference_scratch.numel(), dtype=dtype) if original.dtype != dtype else None
+    cast_scratch = torch.empty(difference_scratch.numel(), dtype=cast_to) if approximation is None else None
     error_sq = 0.0
     reference_sq = 0.0
     for start in range(0, original.numel(), _SLICE):
@@ -103,13 +123,13 @@ def _squared_norms_by_slices(
             approximated = _cast(x, cast_to, scale, out=cast_scratch[: x.numel()])  # type: ignore[arg-type]
         else:
             approximated = approximation[start : start + _SLICE]  # type: ignore[index]
-        if x.dtype != dtype:
-            x = scratch[: x.numel()].copy_(x)
-            reference_sq += float(torch.dot(x, x))
-            difference = x.sub_(approximated, alpha=scale)
-        else:
-            reference_sq += float(torch.dot(x, x))
-            difference = torch.sub(x, approximated, alpha=scale, out=scratch[: x.numel()])
+        if widened_scratch is not None:
+            x = widened_scratch[: x.numel()].copy_(x)
+        reference_sq += float(torch.dot(x, x))
+        # Widened first: a subtraction within one dtype is faster than a mixed one (4.9 against
+        # 5.7 ms for a 6.5 M-element bucket on the 2-core bench machine, same bits).
+        difference = difference_scratch[: x.numel()].copy_(approximated)
+        torch.sub(x, difference, alpha=scale, out=difference)
         error_sq += float(torch.dot(difference, difference))
     return error_sq, reference_sq
 

@@ -1,26 +1,29 @@
 """This rank's traced collectives that were launched and have not completed: a live gauge.
 
 ``tensorplay_collective_waiting_since_timestamp_seconds`` holds the launch time of the oldest of
-them, 0 once none is in flight. It is written at launch and completion only (when the oldest
-changes), from whichever thread sees the event, so the metrics endpoint serves the truth while
-the training thread is blocked inside a collective.
+them, 0 once none is in flight. Launches and completions (from whichever thread sees them) only
+update a dict under a lock; the gauge reads its oldest entry when it is scraped, so the metrics
+endpoint serves the truth while the training thread is blocked inside a collective.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 from prometheus_client import Gauge
 
 __all__ = ["CollectivesInFlight", "WaitingCollective"]
 
 
-@dataclass(frozen=True)
-class WaitingCollective:
-    """A traced collective in flight: since when, and which step and bucket it serves."""
+class WaitingCollective(NamedTuple):
+    """A traced collective in flight: since when, and which step and bucket it serves.
+
+    A named tuple: one is made at every traced launch, on the training thread, and a tuple is
+    the cheapest record to make.
+    """
 
     since_unix: float
     step: int | None = None
@@ -36,36 +39,31 @@ class CollectivesInFlight:
         self._lock = threading.Lock()
         self._launched: dict[str, dict[int, WaitingCollective]] = {}
         self._tokens = itertools.count()
-        self._children: dict[str, Any] = {}
-        """Rank label -> its gauge child, looked up once (``labels()`` costs more than ``set()``)."""
 
     def launched(self, rank: str, unix_s: float, step: int | None = None, bucket: int | None = None) -> int:
         """Note a collective launched at ``unix_s``; returns the token for :meth:`completed`."""
         token = next(self._tokens)
         with self._lock:
-            pending = self._launched.setdefault(rank, {})
+            pending = self._launched.get(rank)
+            if pending is None:
+                pending = self._launched[rank] = {}
+                # The gauge reads the oldest launch when scraped: a launch and a completion only
+                # touch this dict (the training thread pays no gauge update per collective).
+                self._gauge.labels(rank=rank).set_function(functools.partial(self._oldest_since, rank))
             pending[token] = WaitingCollective(unix_s, step, bucket)
-            if len(pending) == 1:
-                self._child(rank).set(unix_s)
         return token
 
     def completed(self, rank: str, token: int) -> None:
-        """Note that the collective of ``token`` completed (successfully or not)."""
+        """Note that the collective of ``token`` completed (successfully or not); a second call does nothing."""
         with self._lock:
             pending = self._launched.get(rank)
-            if not pending or token not in pending:
-                return
-            was_oldest = next(iter(pending)) == token
-            del pending[token]
-            if was_oldest:
-                oldest = next(iter(pending.values()), None)
-                self._child(rank).set(oldest.since_unix if oldest is not None else 0.0)
+            if pending:
+                pending.pop(token, None)
 
-    def _child(self, rank: str) -> Any:
-        child = self._children.get(rank)
-        if child is None:
-            child = self._children[rank] = self._gauge.labels(rank=rank)
-        return child
+    def _oldest_since(self, rank: str) -> float:
+        """The gauge's value when scraped: the launch time of the oldest collective in flight, else 0."""
+        oldest = self.oldest(rank)
+        return oldest.since_unix if oldest is not None else 0.0
 
     def oldest(self, rank: str) -> WaitingCollective | None:
         """The oldest collective of ``rank`` in flight, or None."""

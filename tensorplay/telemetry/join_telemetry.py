@@ -2,7 +2,9 @@
 
 The join time and shadow count are live: set when a rank joins and after every round it shadows,
 so a long skew shows while it lasts. The wait histogram, the counter, the last-joiner gauge and
-the span follow once every rank has joined.
+the span follow once every rank has joined. The span is ended on the finisher's thread, as every
+span tensorplay starts: never inline in ``Join.__exit__`` on the training thread, where an
+application's span processor could export to a slow collector.
 """
 
 import functools
@@ -10,6 +12,7 @@ import time
 from typing import Callable
 
 from . import probe
+from .finish import OwnedSpan, finisher
 from .metrics import active_metrics, rank_label
 from .names import JOIN_SPAN_NAME, Attr
 from .tracing import tracer
@@ -49,16 +52,14 @@ def record_join(report: probe.JoinReport) -> None:
         metrics.joins.labels(rank=rank).inc()
     span = tracer().start_span(JOIN_SPAN_NAME, start_time=int(report.joined_unix * 1e9))
     if span.is_recording():
-        span.set_attributes(
-            {
-                Attr.RANK: report.rank,
-                Attr.WORLD_SIZE: report.world_size,
-                Attr.JOIN_SHADOW_ITERATIONS: report.shadow_iterations,
-                Attr.JOIN_WAIT_MS: report.wait_seconds * 1e3,
-                Attr.JOIN_LAST_JOINER: report.last_joiner,
-            }
-        )
-        span.end(end_time=int(report.all_joined_unix * 1e9))
+        attributes = {
+            Attr.RANK: report.rank,
+            Attr.WORLD_SIZE: report.world_size,
+            Attr.JOIN_SHADOW_ITERATIONS: report.shadow_iterations,
+            Attr.JOIN_WAIT_MS: report.wait_seconds * 1e3,
+            Attr.JOIN_LAST_JOINER: report.last_joiner,
+        }
+        finisher().end_span(OwnedSpan(span), attributes, end_time=int(report.all_joined_unix * 1e9))
 
 
 def listen() -> None:

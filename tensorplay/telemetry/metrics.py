@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric as MetricFamily
 
@@ -143,10 +143,24 @@ class TensorplayMetrics:
         )
         self._served = _WithoutCreated(families)
         self.registry.register(self._served)  # after the families: names are checked here
+        self._children: dict[tuple[Any, str, str | None], Any] = {}
 
     def withdraw(self) -> None:
         """Take these families out of ``registry`` (whose endpoint then no longer serves them)."""
         self.registry.unregister(self._served)
+
+    def child(self, family: Any, rank: str, hook: str | None = None) -> Any:
+        """The series of ``family`` for ``rank`` (and ``hook``), looked up once, when first written.
+
+        Every bucket writes up to nine series; ``labels()`` costs several times what the write
+        does. Bounded as the labels are (ranks x hooks); a lost race only looks a child up twice.
+        """
+        key = (family, rank, hook)
+        found = self._children.get(key)
+        if found is None:
+            found = family.labels(rank=rank) if hook is None else family.labels(rank=rank, hook=hook)
+            self._children[key] = found
+        return found
 
     def count_error(self, rank: int, reason: str) -> None:
         """Count a telemetry problem that training went on through."""

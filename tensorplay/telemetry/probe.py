@@ -86,7 +86,10 @@ class HookRecorder(Protocol):
         and divided by ``scale``, that a collective reporting ``approximation`` itself (divided
         or not) reduces it, and that ``original`` stays unchanged until that collective's future
         (as returned by :meth:`collective_launched`) or else the hook's own future completes:
-        the recorder may then take the figures there, off the launch path.
+        the recorder may then take the figures there, off the launch path. A cast to
+        ``original``'s own dtype (a float16 bucket under float16 compression) is exact and may
+        be ``original`` itself, which the collective then overwrites: the recorder counts its
+        non-finite elements at once, before that collective.
         """
 
 

@@ -1,11 +1,22 @@
-"""What one traced hook call (one bucket of one iteration) records while it runs.
+"""The record of one traced hook call (one bucket of one iteration), built while the call runs.
 
 A :class:`BucketRecord` is the probe's recorder for that call: the hook reports its collectives
-and compression stages to it on the training thread (cheaply: stamps, and on CPU a cast's
-figures are left to a callback of the collective that reduces it), the futures' callbacks stamp
-completions, take those figures and keep the live in-flight gauge, and the resolver turns the
-finished record into metrics and a span. Nothing here may raise into training: failures
-are logged, counted and mark the span incomplete.
+and compression stages to it on the training thread, where it only takes clock stamps, sets the
+live in-flight gauge and, for a cast, notes what to measure. The figures are taken from a
+buffer no one has rewritten:
+
+* a cast to the bucket's own dtype (a float16 model under ``fp16_compress_hook``) is exact and
+  shares DDP's buffer, which the collective then overwrites with the sum over ranks: its
+  non-finite elements are counted at once, before the collective (error 0, none created);
+* any other cast on CPU is measured in a plain ``then`` callback of the collective that reduces
+  it, on the thread that completes that collective, before the hook's decompression (chained
+  after it) rewrites the input; a finite all-reduced sum proves every rank's cast finite, so a
+  healthy bucket costs one pass over the compressed tensor there;
+* everything else (PowerSGD, CUDA) is measured when the hook reports it.
+
+:meth:`BucketRecord.follow` chains one plain ``then`` on the hook's future: it stamps the
+completion and hands the record to the finisher, once. Nothing here may raise into training:
+failures are logged, counted and mark the span incomplete.
 """
 
 from __future__ import annotations
@@ -13,15 +24,16 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from . import figures
 from .metrics import TensorplayMetrics
-from .offthread import then_off_this_thread
-from .spans import OwnedSpan
 from .timing import Stamp, stamp
+
+if TYPE_CHECKING:
+    from .finish import OwnedSpan
 
 __all__ = ["BucketRecord", "CollectiveEnds", "CompressionStage"]
 
@@ -77,7 +89,14 @@ class CollectiveEnds:
 
 
 class BucketRecord:
-    """The recorder of one traced hook call, then the record the resolver finishes."""
+    """The recorder of one traced hook call, then the record the finisher finishes."""
+
+    __slots__ = (
+        "hook", "model", "hook_label", "reports_collectives", "step", "rank", "rank_label", "world_size",
+        "bucket_index", "numel", "bytes", "dtype", "device", "sample_error", "span", "metrics",
+        "previous_step_end", "step_start", "called", "launches", "ends", "_in_flight", "wire_bytes",
+        "stages", "_pending_casts", "_proven_by", "returned_buffer_bytes", "error", "failures",
+    )
 
     def __init__(
         self,
@@ -94,8 +113,8 @@ class BucketRecord:
         metrics: TensorplayMetrics | None,
         previous_step_end: CollectiveEnds | None,
         step_start: CollectiveEnds | None,
-        on_collective_end: Callable[[Stamp, Callable[[], None]], None],
         model: int = 0,
+        called: Stamp | None = None,
     ) -> None:
         self.hook = hook
         self.model = model
@@ -110,8 +129,10 @@ class BucketRecord:
         self.bucket_index = bucket_index
         self.numel = buffer.numel()
         self.bytes = self.numel * buffer.element_size()
-        self.dtype = str(buffer.dtype).removeprefix("torch.")
-        self.device = buffer.device
+        self.dtype = buffer.dtype
+        self.device = buffer.device if buffer.is_cuda else None
+        """The bucket's CUDA device, whose stream stamps record events on; None on CPU (clock readings).
+        (Reading ``buffer.device.type`` costs the training thread tens of microseconds cold.)"""
         self.sample_error = sample_error
         self.span = span
         self.metrics = metrics
@@ -119,11 +140,12 @@ class BucketRecord:
         self.step_start = step_start
         """For the last bucket of a step counted in the end-of-step wait: when the previous step
         ended. None otherwise: other buckets, the first step (no previous one), shadowed steps."""
-        self._on_collective_end = on_collective_end
-        self.called = stamp(self.device)
+        self.called = called if called is not None else stamp(self.device)
+        """When the traced call began (the span's start)."""
         self.launches: list[Stamp] = []
         self.ends = CollectiveEnds()
         self._in_flight: list[int | None] = []
+        """Per launch, the in-flight gauge's token until the collective is seen done."""
         self.wire_bytes = 0
         self.stages: list[CompressionStage] = []
         self._pending_casts: list[_PendingCast] = []
@@ -140,7 +162,7 @@ class BucketRecord:
 
     def collective_launching(self, tensor: torch.Tensor) -> int:
         try:
-            launch = stamp(tensor.device)
+            launch = stamp(self.device)
             token = None
             if self.metrics is not None:
                 token = self.metrics.collectives_in_flight.launched(
@@ -168,8 +190,8 @@ class BucketRecord:
             return future
         try:
             # The hook chains its decompression on this future: the figures come strictly first,
-            # and never on the training thread, even when the collective has already completed.
-            return then_off_this_thread(future, functools.partial(self._checked, token))
+            # on the thread that completes the collective, as the decompression would run there.
+            return future.then(functools.partial(self._checked, token))
         except Exception:
             self.note_failure("collective_launched")
             self._resolve_cast(self._proven_by.pop(token), proof=None)  # the input is still unchanged
@@ -202,6 +224,16 @@ class BucketRecord:
         recomputable: bool = False,
     ) -> None:
         try:
+            if approximation is not None and residual is None and (
+                approximation.data_ptr() == original.data_ptr() or (recomputable and approximation.dtype == original.dtype)
+            ):
+                # A cast to the own dtype: exact, and usually DDP's very buffer, which the collective
+                # overwrites with the sum over ranks. Count what it holds now, before that.
+                with torch.no_grad():
+                    error, nonfinite, input_nonfinite = figures.same_dtype_figures(original, self.sample_error)
+                ready = stamp(original.device) if original.is_cuda else None
+                self.stages.append(CompressionStage(kind, error, nonfinite, input_nonfinite, ready))
+                return
             if recomputable and approximation is not None and residual is None and not original.is_cuda:
                 # Nothing on the launch path: the figures come once the collective has reduced it.
                 stage = CompressionStage(kind, None, 0, 0)
@@ -224,38 +256,42 @@ class BucketRecord:
     ) -> torch.futures.Future:
         """Return the future DDP gets: the hook's value (or failure), once ``on_complete(record)`` ran.
 
-        Chaining (rather than a done-callback, which may run after waiters wake) means that when
-        DDP's wait returns, the call's metrics are recorded and its span handed over.
+        A plain ``then``: it runs where torch runs any callback of ``future`` (the thread that
+        completes it, or this one if it already has), and so do the callbacks DDP and the user
+        chain on the returned future, in their order. The callback only stamps and hands over,
+        so when DDP's wait returns the record has reached the finisher.
         """
         if not self.reports_collectives:
             buffer = bucket.buffer()
             self.returned_buffer_bytes = buffer.numel() * buffer.element_size()
 
-        # A future that already completed (a fast collective, one rank) is finished off this
-        # thread, a little later: it completed no later than now.
-        completed_by_now = stamp(self.device) if self.device.type != "cuda" and future.done() else None
-
         def completed(done: torch.futures.Future) -> Any:
-            self._resolve_pending_casts()
+            self._resolve_pending_casts()  # a cast no reported collective reduced: input unchanged until now
             try:
-                value = done.value()
+                self.ends.completed = stamp(self.device)
+            except Exception:
+                self.note_failure("completion")
+            try:
+                return done.value()
             except Exception as error:
                 self.error = self.error or error
-                self._complete(on_complete, completed_by_now)
                 raise
-            self._complete(on_complete, completed_by_now)
-            return value
+            finally:
+                try:
+                    on_complete(self)
+                except Exception:  # telemetry must never break training
+                    _logger.warning("tensorplay: could not hand a record over; training goes on", exc_info=True)
 
-        if self.device.type == "cuda":
-            return future.then(completed)
-        return then_off_this_thread(future, completed)
+        return future.then(completed)
 
-    def _complete(self, on_complete: Callable[["BucketRecord"], None], at: Stamp | None = None) -> None:
-        try:
-            self.ends.completed = at if at is not None else stamp(self.device)
-        except Exception:
-            self.note_failure("completion")
-        on_complete(self)
+    def collectives_seen_done(self) -> None:
+        """Take the collectives that completed off the in-flight gauge (CUDA: once their events happened)."""
+        if self.metrics is None:
+            return
+        for index, token in enumerate(self._in_flight):
+            if token is not None and self.ends.stamps[index] is not None:
+                self._in_flight[index] = None
+                self.metrics.collectives_in_flight.completed(self.rank_label, token)
 
     def _collective_done(self, index: int, future: torch.futures.Future) -> None:
         try:
@@ -266,9 +302,10 @@ class BucketRecord:
             except Exception as error:
                 self.error = self.error or error
             token = self._in_flight[index]
-            if token is not None and self.metrics is not None:
-                in_flight = self.metrics.collectives_in_flight
-                self._on_collective_end(end, functools.partial(in_flight.completed, self.rank_label, token))
+            if token is not None and self.metrics is not None and end.event is None:
+                # On CUDA the future completes at enqueue: the finisher does this once the event happened.
+                self._in_flight[index] = None
+                self.metrics.collectives_in_flight.completed(self.rank_label, token)
         except Exception:
             self.note_failure("collective_done")
 
@@ -308,7 +345,8 @@ class BucketRecord:
         """
         try:
             with torch.no_grad():
-                proven = proof is not None and figures.all_finite(proof)
+                # A sampled step's error pass proves finiteness on its own: no pass over the proof.
+                proven = proof is not None and not self.sample_error and figures.all_finite(proof)
                 stage = pending.stage
                 stage.relative_error, stage.nonfinite, stage.input_nonfinite = figures.cast_figures(
                     pending.original, pending.approximation.dtype, pending.scale, self.sample_error, proven

@@ -9,7 +9,6 @@ hang along with a hung collective (pytorch#115301).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,22 +16,28 @@ import torch
 __all__ = ["Stamp", "stamp", "happened", "seconds_between", "unix_ns"]
 
 
-@dataclass(frozen=True)
 class Stamp:
-    """A point in time: wall clock for spans, monotonic clock for intervals, maybe a CUDA event."""
+    """A point in time: wall clock for spans, monotonic clock for intervals, maybe a CUDA event.
 
-    unix_ns: int
-    monotonic_ns: int
-    event: Any = None
-    """A ``torch.cuda.Event`` recorded with timing on the stream that reached this point."""
+    A plain class with slots, not a frozen dataclass: every traced bucket takes two or more on the
+    training thread, and a frozen dataclass's ``__init__`` costs several times as much.
+    """
+
+    __slots__ = ("unix_ns", "monotonic_ns", "event")
+
+    def __init__(self, unix_ns: int, monotonic_ns: int, event: Any = None) -> None:
+        self.unix_ns = unix_ns
+        self.monotonic_ns = monotonic_ns
+        self.event = event
+        """A ``torch.cuda.Event`` recorded with timing on the stream that reached this point."""
 
 
 def stamp(device: torch.device | None = None) -> Stamp:
-    """Take a stamp now; on a CUDA device also record an event on its current stream."""
-    event = None
-    if device is not None and device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
+    """Take a stamp now; given a CUDA device, also record an event on its current stream (callers pass None on CPU)."""
+    if device is None or device.type != "cuda":
+        return Stamp(time.time_ns(), time.perf_counter_ns())
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
     return Stamp(time.time_ns(), time.perf_counter_ns(), event)
 
 

@@ -1,16 +1,20 @@
 """``traced(hook)``: any DDP communication hook, plus spans and metrics for every bucket.
 
-The traced hook runs the very same hook (same gradients, bit for bit). Around each call it
-installs a :class:`~tensorplay.telemetry.recorder.BucketRecord` as the probe's recorder, so
-tensorplay's hooks report their own collectives and compression; a user's hook gets bucket
-sizes and latency. With no SDK tracer provider and metrics off, a call costs a few attribute
-reads and the hook runs untouched.
+The first stage of a traced bucket, on the training thread (docs/hook-path.md maps the rest):
+it places the bucket in its model's steps (:mod:`.models`), notes the span's parent context and
+start time (the span itself is started where :mod:`.finish` finishes the record), builds a
+:class:`~tensorplay.telemetry.recorder.BucketRecord` and installs it as the probe's recorder, so
+tensorplay's hooks report their own collectives and compression (a user's hook gets bucket
+sizes and latency), runs the very same hook (same gradients, bit for bit), and chains one plain
+``then`` on its future that hands the record to :mod:`.finish`. With no SDK tracer provider and
+metrics off, a call costs a few attribute reads and the hook runs untouched.
 """
 
 import copy
 import logging
 import operator
 import os
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,12 +22,12 @@ import torch.distributed as dist
 from opentelemetry import trace
 
 from . import probe
+from .finish import OwnedSpan, finisher
 from .metrics import TensorplayMetrics, active_metrics
-from .models import ModelSteps, ModelsOfHook
+from .models import CallPlace, ModelsOfHook
 from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord
-from .resolver import resolver
-from .spans import OwnedSpan
+from .timing import stamp
 from .tracing import tracer as default_tracer
 
 __all__ = ["traced", "DEFAULT_ERROR_EVERY"]
@@ -139,8 +143,6 @@ class _TracedHook:
         self._tracer_provider = tracer_provider
         self._own_tracer = default_tracer(tracer_provider) if tracer_provider is not None else None
         self._models = ModelsOfHook()
-        self._last_step_gauge: tuple[TensorplayMetrics, str, Any] | None = None
-        """(metrics, rank label, that rank's last-step child): the same at every call."""
         self.__wrapped__ = hook
         self.__doc__ = getattr(hook, "__doc__", None)
         self.__module__ = getattr(hook, "__module__", __name__)
@@ -161,94 +163,90 @@ class _TracedHook:
         return _TracedHook(hook, self._name, self._error_every, self._metrics, self._tracer_provider)
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        model = self._models.of(bucket)
-        step = model.step
-        first_of_step = model.new_step
-        model.new_step = bucket.is_last()
-        if model.new_step:
-            model.step += 1
-        record = self._start_record(state, bucket, step, first_of_step, model)
+        place = self._models.enter(bucket)
+        record = self._start_record(state, bucket, place)
+        self._models.step_ended(place, record.ends if record is not None else None)
         if record is None:
-            model.previous_step_end = None
             return self._hook(state, bucket)
-        if model.new_step:
-            model.previous_step_end = record.ends
-        finisher = resolver()
         token = probe.install_recorder(record)
         try:
             future = self._hook(state, bucket)
         except BaseException as error:
-            finisher.abandoned(record.span, error=error)
+            finisher().abandoned(record.span, error=error)
             raise
         finally:
             probe.uninstall_recorder(token)
         try:
-            return record.follow(future, bucket, finisher.completed)
+            return record.follow(future, bucket, finisher().completed)
         except Exception:  # telemetry must never break training: hand DDP the hook's own future
-            finisher.abandoned(record.span, incomplete="tensorplay could not follow the hook's future")
+            finisher().abandoned(record.span, incomplete="tensorplay could not follow the hook's future")
             _logger.warning("tensorplay: could not follow a hook's future; training goes on", exc_info=True)
             return future
 
-    def _start_record(
-        self, state: Any, bucket: dist.GradBucket, step: int, first_of_step: bool, model: ModelSteps
-    ) -> Optional[BucketRecord]:
+    def _start_record(self, state: Any, bucket: dist.GradBucket, place: CallPlace) -> Optional[BucketRecord]:
         """Begin recording this call, or return None when nobody listens (or telemetry fails).
 
-        Once a span is started it is owned: it ends, through the resolver, whatever fails here.
+        The span is not started here: the record takes its parent context and start time, and
+        ``tensorplay-finisher`` starts and ends it (docs/hook-path.md, "Cost on the training thread").
         """
-        span: Optional[OwnedSpan] = None
+        tracer: Optional[trace.Tracer] = None
         try:
             metrics = self._metrics if self._metrics is not None else active_metrics()
             tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
-            started = tracer.start_span(HOOK_SPAN_NAME)
-            if metrics is None and not started.is_recording():
+            if metrics is None and not _may_record(tracer):
                 return None
-            span = OwnedSpan(started)
-            finisher = resolver()
+            buffer = place.buffer if place.buffer is not None else bucket.buffer()
+            called = stamp(buffer.device if buffer.is_cuda else None)
             # A shadowing rank's calls are not its own steps: it arrives first and waits for the
             # trainers, which would make them look late (and its wait is no compute either).
             shadowing = probe.in_shadow_phase()
+            model, previous = place.model, place.previous_step_end
+            if place.first_of_step or model.rank_and_world is None:
+                model.rank_and_world = (dist.get_rank(), _world_size(state))
+            rank, world_size = model.rank_and_world
             record = BucketRecord(
                 hook=self._name,
                 reports_collectives=self._reports_collectives,
-                step=step,
-                rank=dist.get_rank(),
-                world_size=_world_size(state),
-                bucket_index=bucket.index(),
-                buffer=bucket.buffer(),
-                sample_error=self._error_every > 0 and step % self._error_every == 0,
-                span=span,
+                step=place.step,
+                rank=rank,
+                world_size=world_size,
+                bucket_index=place.bucket_index,
+                buffer=buffer,
+                sample_error=self._error_every > 0 and place.step % self._error_every == 0,
+                span=OwnedSpan.later(tracer, HOOK_SPAN_NAME, called.unix_ns),
                 metrics=metrics,
-                previous_step_end=(
-                    model.previous_step_end
-                    if first_of_step and model.index == 0 and not shadowing
-                    else None
-                ),
-                step_start=model.previous_step_end if bucket.is_last() and not shadowing else None,
+                previous_step_end=previous if place.first_of_step and model.index == 0 and not shadowing else None,
+                step_start=previous if place.last_of_step and not shadowing else None,
                 model=model.index,
-                on_collective_end=finisher.after_collective,
+                called=called,
             )
-            finisher.started()
+            finisher().started()
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
-            if span is not None:  # end it off the training thread, like every span
-                resolver().started()
-                resolver().abandoned(span, incomplete="tensorplay could not start recording this hook call")
+            if tracer is not None and _may_record(tracer):  # the call still gets its span, marked incomplete
+                finisher().started()
+                span = OwnedSpan.later(tracer, HOOK_SPAN_NAME, time.time_ns())
+                finisher().abandoned(span, incomplete="tensorplay could not start recording this hook call")
             return None
         try:
             if metrics is not None:
-                self._last_step_child(metrics, record.rank_label).set(record.called.unix_ns / 1e9)
+                metrics.child(metrics.last_step_timestamp, record.rank_label).set(called.unix_ns / 1e9)
         except Exception:
             record.note_failure("last_step_timestamp")
         return record
 
-    def _last_step_child(self, metrics: TensorplayMetrics, rank_label: str) -> Any:
-        """The last-step gauge of this rank, looked up once (``labels()`` costs more than ``set()``)."""
-        cached = self._last_step_gauge
-        if cached is None or cached[0] is not metrics or cached[1] != rank_label:
-            cached = (metrics, rank_label, metrics.last_step_timestamp.labels(rank=rank_label))
-            self._last_step_gauge = cached
-        return cached[2]
+
+def _may_record(tracer: trace.Tracer) -> bool:
+    """Whether ``tracer`` may record spans, told without starting one: not OpenTelemetry's no-op.
+
+    A ``ProxyTracer`` is what the API hands out while no SDK provider is set (a provider set
+    later is picked up at the next call, since the tracer is looked up at every call).
+    """
+    if isinstance(tracer, trace.NoOpTracer):
+        return False
+    if isinstance(tracer, trace.ProxyTracer):
+        return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return True
 
 
 def _world_size(state: Any) -> int:

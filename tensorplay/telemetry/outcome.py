@@ -1,0 +1,159 @@
+"""The numbers of a finished hook record, and the one place the per-bucket hook metrics are written.
+
+:func:`outcome` reads a completed record (on CUDA once its events happened), :func:`observe`
+writes its metric observations, :func:`span_attributes` builds the contract's span attributes.
+The live gauges (the last hook call, the collectives in flight) are set where they change, in
+:mod:`.traced` and :mod:`.recorder`, so they stay true while a collective hangs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from .figures import error_value, to_number
+from .names import Attr
+from .recorder import BucketRecord
+from .timing import seconds_between, unix_ns
+
+if TYPE_CHECKING:
+    from .finish import OwnedSpan
+
+__all__ = ["Outcome", "outcome", "observe", "span_attributes"]
+
+
+class Outcome(NamedTuple):
+    """The numbers of one finished hook call (a named tuple: made once per bucket, cheaply)."""
+
+    latency_s: float
+    compute_s: float | None
+    step_s: float | None
+    """For a counted step's last bucket: the end of the previous step to the end of this one."""
+    wire_bytes: int
+    collectives: int
+    nonfinite: int
+    bucket_nonfinite: int | None
+    relative_error: float | None
+    end_unix_ns: int | None
+
+
+def outcome(record: BucketRecord) -> Outcome:
+    """Read the numbers of a completed record (on CUDA: once its events happened)."""
+    stages = record.stages
+    errors = [error_value(stage.relative_error) for stage in stages]
+    completed = record.ends.completed
+    return Outcome(
+        latency_s=latency_seconds(record),
+        compute_s=_compute_seconds(record),
+        step_s=_step_seconds(record),
+        wire_bytes=wire_bytes(record),
+        collectives=collective_count(record),
+        nonfinite=sum(int(to_number(stage.nonfinite)) for stage in stages),
+        # What the first stage compressed is the bucket as DDP handed it over.
+        bucket_nonfinite=int(to_number(stages[0].input_nonfinite)) if stages else None,
+        # Stages compose (a wrapper around a compressing hook): their relative errors add up,
+        # which bounds the end-to-end error to first order (triangle inequality). One stage is
+        # exact. A stage without a finite figure leaves the call without one.
+        relative_error=float(sum(errors)) if stages and None not in errors else None,  # type: ignore[arg-type]
+        end_unix_ns=unix_ns(completed, record.called) if completed is not None else None,
+    )
+
+
+def latency_seconds(record: BucketRecord) -> float:
+    """Launch of the first reported collective to completion of the last.
+
+    A hook that reports no collectives (a user's own hook) is timed from its call to its
+    future's completion; a tensorplay hook that launched none (``noop_hook``) took no time.
+    """
+    if record.launches:
+        end = record.ends.last()
+        return seconds_between(record.launches[0], end) if end is not None else 0.0
+    if record.reports_collectives or record.ends.completed is None:
+        return 0.0
+    return seconds_between(record.called, record.ends.completed)
+
+
+def collective_count(record: BucketRecord) -> int:
+    """Collectives launched; a user's hook is assumed to have reduced its buffer once."""
+    if record.reports_collectives:
+        return len(record.launches)
+    return 1
+
+
+def wire_bytes(record: BucketRecord) -> int:
+    """Bytes sent into collectives; for a user's hook, the buffer it was left holding."""
+    if record.reports_collectives:
+        return record.wire_bytes
+    return record.returned_buffer_bytes if record.returned_buffer_bytes is not None else record.bytes
+
+
+def span_attributes(record: BucketRecord, numbers: Outcome) -> dict[str, object]:
+    """The contract's span attributes of one hook call."""
+    attributes: dict[str, object] = {
+        Attr.HOOK: record.hook,
+        Attr.RANK: record.rank,
+        Attr.WORLD_SIZE: record.world_size,
+        Attr.STEP: record.step,
+        Attr.BUCKET_INDEX: record.bucket_index,
+        Attr.BUCKET_NUMEL: record.numel,
+        Attr.BUCKET_BYTES: record.bytes,
+        Attr.BUCKET_WIRE_BYTES: numbers.wire_bytes,
+        Attr.BUCKET_DTYPE: str(record.dtype).removeprefix("torch."),
+        Attr.COMPRESSION_NONFINITE: numbers.nonfinite,
+        Attr.ALLREDUCE_LATENCY_MS: numbers.latency_s * 1e3,
+        Attr.ALLREDUCE_COUNT: numbers.collectives,
+        Attr.MODEL: record.model,
+    }
+    if record.stages:
+        attributes[Attr.COMPRESSION_DTYPE] = "+".join(stage.kind for stage in record.stages)
+        attributes[Attr.BUCKET_NONFINITE] = numbers.bucket_nonfinite
+        if numbers.relative_error is not None:
+            attributes[Attr.COMPRESSION_RELATIVE_ERROR] = numbers.relative_error
+    return attributes
+
+
+def observe(record: BucketRecord, numbers: Outcome, exemplar: OwnedSpan | None = None) -> None:
+    """Write the call's metric observations (nothing when metrics are off).
+
+    ``exemplar``: the call's recording span, whose IDs the latency observation carries.
+    """
+    metrics = record.metrics
+    if metrics is None:
+        return
+    rank, hook, child = record.rank_label, record.hook_label, metrics.child
+    child(metrics.allreduce_latency, rank, hook).observe(numbers.latency_s, _exemplar(exemplar))
+    child(metrics.bucket_bytes, rank, hook).inc(record.bytes)
+    child(metrics.wire_bytes, rank, hook).inc(numbers.wire_bytes)
+    child(metrics.nonfinite, rank, hook).inc(numbers.nonfinite)
+    if numbers.bucket_nonfinite is not None:
+        child(metrics.bucket_nonfinite, rank, hook).inc(numbers.bucket_nonfinite)
+    if numbers.relative_error is not None:
+        child(metrics.compression_error, rank, hook).observe(numbers.relative_error)
+    if numbers.compute_s is not None:
+        child(metrics.step_compute, rank).observe(numbers.compute_s)
+    if numbers.step_s is not None:
+        # The last bucket's wait is how long this rank stood at the step's end for the last of its
+        # peers to arrive: what the peers did not wait for it (docs/telemetry.md, "Lateness").
+        child(metrics.step_wait, rank, hook).inc(numbers.latency_s)
+        child(metrics.step_seconds, rank, hook).inc(numbers.step_s)
+        child(metrics.steps, rank, hook).inc()
+
+
+def _compute_seconds(record: BucketRecord) -> float | None:
+    previous = record.previous_step_end
+    if previous is None:
+        return None
+    end = previous.last()
+    return seconds_between(end, record.called) if end is not None else None
+
+
+def _step_seconds(record: BucketRecord) -> float | None:
+    start = record.step_start.last() if record.step_start is not None else None
+    end = record.ends.last()
+    return seconds_between(start, end) if start is not None and end is not None else None
+
+
+def _exemplar(span: OwnedSpan | None) -> dict[str, str] | None:
+    if span is None:
+        return None
+    context = span.context
+    return {"trace_id": format(context.trace_id, "032x"), "span_id": format(context.span_id, "016x")}
