@@ -11,103 +11,37 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.algorithms.ddp_comm_hooks.default_hooks
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
 import tensorplay
-from tensorplay.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, traced
+from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks, traced
 from tensorplay.telemetry import TensorplayMetrics, flush
-from tensorplay.telemetry.names import Attr
+from tensorplay.telemetry.names import HOOK_SPAN_NAME, Attr
 from tensorplay.telemetry.probe import describe_hook, hook_name, reports_collectives
 
 from .ranks import free_base_port, free_port, run_ranks
+from .sink import memory_sink
+from .traced_cases import (
+    HOOKS,
+    BucketCopies,
+    check_gradients_equal_untraced,
+    check_metrics_agree_with_spans,
+    expected_error,
+    overflow,
+    spans_and_metrics,
+    traced_powersgd,
+)
 from .training import passthrough, train
-
-HOOKS = {
-    "allreduce_hook": (default_hooks.allreduce_hook, None),
-    "fp16_compress_hook": (default_hooks.fp16_compress_hook, "float16"),
-    "bf16_compress_hook": (default_hooks.bf16_compress_hook, "bfloat16"),
-    "fp16_compress_wrapper(allreduce_hook)": (default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook), "float16"),
-    "bf16_compress_wrapper(allreduce_hook)": (default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook), "bfloat16"),
-    "noop_hook": (debugging_hooks.noop_hook, None),
-}
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def user_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A hook tensorplay knows nothing about."""
-    tensor = bucket.buffer().div_(dist.get_world_size())
-    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-
-class BucketCopies:
-    """Wraps a hook to keep a copy of every bucket as DDP handed it over, keyed by (step, index)."""
-
-    def __init__(self, hook: Any) -> None:
-        self.copies: dict[tuple[int, int], torch.Tensor] = {}
-        self._step = 0
-
-        def copying_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            self.copies[(self._step, bucket.index())] = bucket.buffer().clone()
-            if bucket.is_last():
-                self._step += 1
-            return hook(state, bucket)
-
-        self.hook = copying_hook
-
-
-def _expected_error(copy: torch.Tensor, dtype: torch.dtype, world_size: int, wrapper: bool) -> float:
-    x = copy.double() if wrapper else copy.double() / world_size
-    x_hat = copy.to(dtype).double() if wrapper else copy.to(dtype).div(world_size).double()
-    return float((x - x_hat).norm() / x.norm())
-
-
-def _spans_and_metrics(rank: int, world_size: int) -> dict:
-    outcome: dict[str, Any] = {}
-    for name, (hook, compression) in [*HOOKS.items(), ("user_hook", (user_hook, None))]:
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        metrics = TensorplayMetrics(CollectorRegistry())
-        copies = BucketCopies(traced(hook, error_every=1, metrics=metrics, tracer_provider=provider))
-        traced_params = train(rank, copies.hook, steps=3)
-        assert flush(30), "records still pending"
-        plain_params = train(rank, passthrough(hook), steps=3)
-        spans = [dict(s.attributes) for s in exporter.get_finished_spans() if s.name == "tensorplay.comm_hook"]
-        errors = []
-        for span in spans:
-            if compression is not None:
-                copy = copies.copies[(span[Attr.STEP], span[Attr.BUCKET_INDEX])]
-                expected = _expected_error(copy, DTYPES[compression], world_size, "wrapper" in name)
-                errors.append((span[Attr.COMPRESSION_RELATIVE_ERROR], expected))
-        registry = metrics.registry
-        labels = {"rank": str(rank), "hook": name}
-        outcome[name] = {
-            "equal": all(torch.equal(a, b) for a, b in zip(traced_params, plain_params)),
-            "spans": spans,
-            "errors": errors,
-            "bucket_numels": {k: v.numel() for k, v in copies.copies.items()},
-            "latency_count": registry.get_sample_value("tensorplay_allreduce_latency_seconds_count", labels),
-            "bucket_bytes": registry.get_sample_value("tensorplay_bucket_bytes_total", labels),
-            "wire_bytes": registry.get_sample_value("tensorplay_wire_bytes_total", labels),
-            "error_count": registry.get_sample_value("tensorplay_compression_error_ratio_count", labels),
-            "compute_count": registry.get_sample_value("tensorplay_step_compute_seconds_count", {"rank": str(rank)}),
-            "last_step": registry.get_sample_value("tensorplay_last_step_timestamp_seconds", {"rank": str(rank)}),
-        }
-    return outcome
 
 
 @pytest.fixture(scope="module")
 def two_rank_outcome() -> list[dict]:
-    return run_ranks(_spans_and_metrics, 2)
+    return run_ranks(spans_and_metrics, 2)
 
 
 @pytest.mark.parametrize("name", [*HOOKS, "user_hook"])
 def test_traced_gradients_equal_untraced(two_rank_outcome: list[dict], name: str) -> None:
-    for rank, outcome in enumerate(two_rank_outcome):
-        assert outcome[name]["equal"], f"rank {rank}: traced({name}) changed the gradients"
+    check_gradients_equal_untraced(two_rank_outcome, name)
 
 
 @pytest.mark.parametrize("name", [*HOOKS, "user_hook"])
@@ -147,43 +81,11 @@ def test_every_contract_attribute_has_its_value(two_rank_outcome: list[dict], na
 
 @pytest.mark.parametrize("name", [*HOOKS, "user_hook"])
 def test_metrics_agree_with_spans(two_rank_outcome: list[dict], name: str) -> None:
-    for outcome in two_rank_outcome:
-        result = outcome[name]
-        spans = result["spans"]
-        assert result["latency_count"] == len(spans)
-        assert result["bucket_bytes"] == sum(s[Attr.BUCKET_BYTES] for s in spans)
-        assert result["wire_bytes"] == sum(s[Attr.BUCKET_WIRE_BYTES] for s in spans)
-        assert result["error_count"] == (len(spans) if HOOKS.get(name, (0, None))[1] else None)
-        assert result["compute_count"] == 2  # steps 1 and 2 follow a completed step
-        assert 1.7e9 < result["last_step"] < 4e9  # a unix time
-
-
-def _overflow(rank: int, world_size: int) -> dict:
-    """fp16 overflow: gradients above float16's range turn into inf when compressed."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    metrics = TensorplayMetrics(CollectorRegistry())
-    hook = default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)
-    copies = BucketCopies(traced(hook, metrics=metrics, tracer_provider=provider))
-    train(rank, copies.hook, steps=1, lr=0.0, seed=0, loss_scale=1e9)
-    assert flush(30)
-    spans = [dict(s.attributes) for s in exporter.get_finished_spans()]
-    expected = {
-        key: int((~torch.isfinite(copy.to(torch.float16))).sum() - (~torch.isfinite(copy)).sum())
-        for key, copy in copies.copies.items()
-    }
-    return {
-        "span": {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s[Attr.COMPRESSION_NONFINITE] for s in spans},
-        "expected": expected,
-        "metric": metrics.registry.get_sample_value(
-            "tensorplay_nonfinite_elements_total", {"rank": str(rank), "hook": "fp16_compress_wrapper(allreduce_hook)"}
-        ),
-    }
+    check_metrics_agree_with_spans(two_rank_outcome, name)
 
 
 def test_fp16_overflow_is_counted_in_span_and_metric() -> None:
-    for outcome in run_ranks(_overflow, 2):
+    for outcome in run_ranks(overflow, 2):
         assert outcome["span"] == outcome["expected"]
         total = sum(outcome["expected"].values())
         assert total > 1000, "the test must actually overflow"
@@ -363,59 +265,8 @@ def test_traced_rejects_bad_arguments() -> None:
         traced(default_hooks.allreduce_hook, error_every=-1)
 
 
-def _traced_powersgd(rank: int, world_size: int) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
-
-    from .training import BUCKET_CAP_MB, make_model, rank_batch
-
-    def run(hook: Any, traced_too: bool) -> tuple[list[torch.Tensor], list[dict], dict, dict]:
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        inputs: dict[tuple[int, int], torch.Tensor] = {}  # (step, bucket) -> bucket + previous error
-        residuals: dict[tuple[int, int], torch.Tensor] = {}
-        step = [0]
-
-        def observing_hook(st: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            previous = state.error_dict.get(bucket.index())
-            buffer = bucket.buffer()
-            inputs[(step[0], bucket.index())] = buffer.clone() + (previous if previous is not None else 0)
-            return hook(st, bucket)
-
-        describe_hook(observing_hook, hook_name(hook), reports_collectives(hook))
-        model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
-        model.register_comm_hook(
-            state,
-            traced(observing_hook, error_every=1, tracer_provider=provider) if traced_too else passthrough(hook),
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step[0] in range(5):
-            optimizer.zero_grad()
-            model(rank_batch(rank, step[0])).square().mean().backward()
-            optimizer.step()
-            residuals.update({(step[0], index): error.clone() for index, error in state.error_dict.items()})
-        flush(30)
-        spans = [dict(s.attributes) for s in exporter.get_finished_spans()]
-        return [p.detach().clone() for p in model.parameters()], spans, inputs, residuals
-
-    hook = powerSGD_hook
-    plain, _, _, _ = run(hook, traced_too=False)
-    traced_params, spans, inputs, residuals = run(hook, traced_too=True)
-    expected = {
-        key: float(residuals[key].norm() / inputs[key].norm()) for key in inputs if key in residuals and key[0] >= 2
-    }
-    return {
-        "equal": all(torch.equal(a, b) for a, b in zip(plain, traced_params)),
-        "spans": spans,
-        "expected": expected,
-    }
-
-
 def test_traced_powersgd_reports_its_residual_and_keeps_gradients() -> None:
-    for outcome in run_ranks(_traced_powersgd, 2):
+    for outcome in run_ranks(traced_powersgd, 2):
         assert outcome["equal"]
         compressed = [s for s in outcome["spans"] if s[Attr.STEP] >= 2]
         warm_up = [s for s in outcome["spans"] if s[Attr.STEP] < 2]
@@ -450,20 +301,15 @@ def test_torchrun_environment_turns_metrics_on() -> None:
 
 
 def _sampled_steps(rank: int, world_size: int) -> dict:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    metrics = TensorplayMetrics(CollectorRegistry())
-    train(rank, traced(default_hooks.fp16_compress_hook, error_every=3, metrics=metrics, tracer_provider=provider), steps=7)
+    sink = memory_sink()
+    train(rank, sink.traced(default_hooks.fp16_compress_hook, error_every=3), steps=7)
     flush(30)
-    spans = [dict(s.attributes) for s in exporter.get_finished_spans()]
+    spans = sink.spans(None)
     return {
         "with error": sorted({s[Attr.STEP] for s in spans if Attr.COMPRESSION_RELATIVE_ERROR in s}),
         "without": sorted({s[Attr.STEP] for s in spans if Attr.COMPRESSION_RELATIVE_ERROR not in s}),
         "nonfinite checked": sorted({s[Attr.STEP] for s in spans if s[Attr.COMPRESSION_NONFINITE] == 0}),
-        "observations": metrics.registry.get_sample_value(
-            "tensorplay_compression_error_ratio_count", {"rank": str(rank), "hook": "fp16_compress_hook"}
-        ),
+        "observations": sink.sample("tensorplay_compression_error_ratio_count", rank=str(rank), hook="fp16_compress_hook"),
         "spans with error": sum(Attr.COMPRESSION_RELATIVE_ERROR in s for s in spans),
     }
 
@@ -483,16 +329,14 @@ def _global_provider(rank: int, world_size: int) -> dict:
     from opentelemetry import trace
 
     hook = traced(default_hooks.fp16_compress_hook)  # made before the application sets its SDK up
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+    sink = memory_sink()
+    trace.set_tracer_provider(sink.provider)
     with trace.get_tracer("my.training").start_as_current_span("train"):
         train(rank, hook, steps=2)
     flush(30)
-    spans = exporter.get_finished_spans()
+    spans = sink.finished()
     train_span = next(s for s in spans if s.name == "train")
-    hook_spans = [s for s in spans if s.name == "tensorplay.comm_hook"]
+    hook_spans = [s for s in spans if s.name == HOOK_SPAN_NAME]
     return {
         "scopes": {s.instrumentation_scope.name for s in hook_spans},
         "count": len(hook_spans),
@@ -511,11 +355,8 @@ def _nan_bucket(rank: int, world_size: int) -> dict:
     """A bucket that arrives holding NaN and inf: training goes on, the elements are counted."""
     outcome: dict[str, Any] = {}
     for error_every in (1, 0):  # the error pass and the plain finiteness check both notice
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        metrics = TensorplayMetrics(CollectorRegistry())
-        hook = traced(default_hooks.fp16_compress_hook, error_every=error_every, metrics=metrics, tracer_provider=provider)
+        sink = memory_sink()
+        hook = sink.traced(default_hooks.fp16_compress_hook, error_every=error_every)
         plain = default_hooks.fp16_compress_hook
         step = [0, 0]
 
@@ -532,17 +373,13 @@ def _nan_bucket(rank: int, world_size: int) -> dict:
 
         traced_params = train(rank, poisoned(hook, 0), steps=2)  # poisoned in the last step
         plain_params = train(rank, poisoned(plain, 1), steps=2)
-        spans = {(s.attributes[Attr.STEP], s.attributes[Attr.BUCKET_INDEX]): dict(s.attributes) for s in exporter.get_finished_spans()}
+        spans = {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s for s in sink.spans(None)}
         outcome[error_every] = {
             "bitwise equal": all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(traced_params, plain_params)),
             "poisoned span": spans[(1, 0)],
             "other spans clean": all(s[Attr.BUCKET_NONFINITE] == 0 for key, s in spans.items() if key != (1, 0)),
-            "metric": metrics.registry.get_sample_value(
-                "tensorplay_bucket_nonfinite_elements_total", {"rank": str(rank), "hook": "fp16_compress_hook"}
-            ),
-            "created metric": metrics.registry.get_sample_value(
-                "tensorplay_nonfinite_elements_total", {"rank": str(rank), "hook": "fp16_compress_hook"}
-            ),
+            "metric": sink.sample("tensorplay_bucket_nonfinite_elements_total", rank=str(rank), hook="fp16_compress_hook"),
+            "created metric": sink.sample("tensorplay_nonfinite_elements_total", rank=str(rank), hook="fp16_compress_hook"),
         }
     return outcome
 
@@ -597,10 +434,7 @@ def _poisoned_on_one_rank(rank: int, world_size: int) -> dict:
 
     outcome: dict[str, Any] = {}
     for name, (hook, dtype, wrapper) in POISONED_HOOKS.items():
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        metrics = TensorplayMetrics(CollectorRegistry())
+        sink = memory_sink()
         step = [0, 0]
 
         def poisoned(target: Any, slot: int) -> Any:
@@ -617,7 +451,7 @@ def _poisoned_on_one_rank(rank: int, world_size: int) -> dict:
 
             return poisoning_hook
 
-        copies = BucketCopies(poisoned(traced(hook, error_every=2, metrics=metrics, tracer_provider=provider), 0))
+        copies = BucketCopies(poisoned(sink.traced(hook, error_every=2), 0))
         events.clear()
         dist.all_reduce = launching
         for watched_name in watched:
@@ -632,10 +466,7 @@ def _poisoned_on_one_rank(rank: int, world_size: int) -> dict:
                 setattr(figures, watched_name, function)
         assert flush(30)
         plain_params = train(rank, poisoned(passthrough(hook), 1), steps=3)
-        spans = {
-            (s.attributes[Attr.STEP], s.attributes[Attr.BUCKET_INDEX]): dict(s.attributes)
-            for s in exporter.get_finished_spans()
-        }
+        spans = {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s for s in sink.spans(None)}
         labels = {"rank": str(rank), "hook": name}
         outcome[name] = {
             "bitwise equal": all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(traced_params, plain_params)),
@@ -644,10 +475,10 @@ def _poisoned_on_one_rank(rank: int, world_size: int) -> dict:
             "already": {key: span[Attr.BUCKET_NONFINITE] for key, span in spans.items()},
             "errors": {key: span.get(Attr.COMPRESSION_RELATIVE_ERROR) for key, span in spans.items()},
             "expected errors": {
-                key: _expected_error(copies.copies[key], dtype, world_size, wrapper) for key in spans if key[0] != 1
+                key: expected_error(copies.copies[key], dtype, world_size, wrapper) for key in spans if key[0] != 1
             },
-            "created metric": metrics.registry.get_sample_value("tensorplay_nonfinite_elements_total", labels),
-            "already metric": metrics.registry.get_sample_value("tensorplay_bucket_nonfinite_elements_total", labels),
+            "created metric": sink.sample("tensorplay_nonfinite_elements_total", **labels),
+            "already metric": sink.sample("tensorplay_bucket_nonfinite_elements_total", **labels),
         }
     return outcome
 
@@ -748,10 +579,7 @@ def _nan_in_a_low_precision_model(rank: int, world_size: int) -> dict:
 
     outcome = {}
     for name, (hook, dtype) in LOW_PRECISION.items():
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        metrics = TensorplayMetrics(CollectorRegistry())
+        sink = memory_sink()
         step = [0]
 
         def poisoning(state: Any, bucket: dist.GradBucket, hook: Any = hook) -> torch.futures.Future[torch.Tensor]:
@@ -763,19 +591,14 @@ def _nan_in_a_low_precision_model(rank: int, world_size: int) -> dict:
 
         describe_hook(poisoning, name, reports_collectives(hook))
         model = DDP(make_model().to(dtype), bucket_cap_mb=0.3)
-        model.register_comm_hook(None, traced(poisoning, error_every=1, metrics=metrics, tracer_provider=provider))
+        model.register_comm_hook(None, sink.traced(poisoning, error_every=1))
         for index in range(3):
             model.zero_grad()
             model(rank_batch(rank, index).to(dtype)).float().square().mean().backward()
         assert flush(30)
         outcome[name] = {
-            "spans": {
-                (s.attributes[Attr.STEP], s.attributes[Attr.BUCKET_INDEX]): s.attributes[Attr.BUCKET_NONFINITE]
-                for s in exporter.get_finished_spans()
-            },
-            "metric": metrics.registry.get_sample_value(
-                "tensorplay_bucket_nonfinite_elements_total", {"rank": str(rank), "hook": name}
-            ),
+            "spans": {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s[Attr.BUCKET_NONFINITE] for s in sink.spans(None)},
+            "metric": sink.sample("tensorplay_bucket_nonfinite_elements_total", rank=str(rank), hook=name),
         }
     return outcome
 
