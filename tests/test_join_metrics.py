@@ -14,6 +14,7 @@ from tensorplay.distributed.algorithms.join import Join
 from tensorplay.telemetry import enable_metrics, flush
 
 from .ranks import free_base_port, run_ranks
+from .sink import memory_sink
 from .training import BUCKET_CAP_MB, make_model, rank_batch
 
 BASE_INPUTS = 4
@@ -78,20 +79,15 @@ def test_join_timing_served_per_rank(world_size: int) -> None:
 def _join_span(rank: int, world_size: int) -> dict:
     """An application that set up the OpenTelemetry SDK itself gets a join span per rank."""
     from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+    sink = memory_sink()
+    trace.set_tracer_provider(sink.provider)
     model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
     with Join([model]):
         for step in range(2 + 2 * rank):
             model(rank_batch(rank, step)).square().mean().backward()
     assert flush(30)  # the span is ended on tensorplay's thread, never inline in Join.__exit__
-    return {span.name: dict(span.attributes) for span in exporter.get_finished_spans()}
+    return {span.name: dict(span.attributes) for span in sink.finished()}
 
 
 def test_join_span_when_the_application_configured_the_sdk() -> None:

@@ -1,24 +1,17 @@
 """tensorplay's PowerSGD hooks: torch's gradients bit for bit, any number of buckets, observable.
 
-torch 2.13's own hooks cannot run this model as is: ``powerSGD_hook`` launches collectives from
-future callbacks, so with several buckets the ranks disagree on their order and gloo hangs, and
-``batched_powerSGD_hook`` asserts on its first compressing step. The references therefore run
-torch's hooks one bucket at a time (:func:`_in_turn`), and the batched one with its
-orthogonalization given the batch it expects (:func:`_batched_orthogonalization`).
+The comparisons with torch's hooks (and why torch's run one bucket at a time) are
+tests/parity_cases.py's, shared with tests/test_cuda_path.py.
 """
 
-import contextlib
 import math
 import pickle
-import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.overrides import TorchFunctionMode
 
 from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -29,197 +22,13 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from tensorplay.telemetry.probe import hook_name, install_recorder, uninstall_recorder
 
+from .parity_cases import compare_powersgd
 from .ranks import run_ranks
-from .training import BUCKET_CAP_MB, count_buckets, make_model, passthrough, rank_batch, train
-
-# name: (state arguments, training steps, wrapper); ours and torch's get the same of each.
-LAYER_CASES: dict[str, tuple[dict, int, str]] = {
-    "error feedback + warm start, rank 1": ({"start_powerSGD_iter": 2}, 10, ""),
-    "neither, compressing from iteration 0": (
-        {"matrix_approximation_rank": 2, "start_powerSGD_iter": 0, "use_error_feedback": False, "warm_start": False},
-        5,
-        "",
-    ),
-    "rank 4 (QR), same shapes batched, epsilon": (
-        {
-            "matrix_approximation_rank": 4,
-            "start_powerSGD_iter": 3,
-            "warm_start": False,
-            "batch_tensors_with_same_shape": True,
-            "orthogonalization_epsilon": 1e-8,
-            "random_seed": 7,
-        },
-        6,
-        "",
-    ),
-    "warm start only, min_compression_rate 0.5": (
-        {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "use_error_feedback": False, "min_compression_rate": 0.5},
-        6,
-        "",
-    ),
-    "fp16 wrapper": ({"start_powerSGD_iter": 2}, 6, "fp16"),
-    "bf16 wrapper": ({"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}, 6, "bf16"),
-}
-BATCHED_CASES: dict[str, tuple[dict, int, str]] = {
-    "error feedback + warm start, rank 1": ({"start_powerSGD_iter": 2}, 6, ""),
-    "neither, rank 3 (QR)": (
-        {"matrix_approximation_rank": 3, "start_powerSGD_iter": 1, "use_error_feedback": False, "warm_start": False},
-        5,
-        "",
-    ),
-    "fp16 wrapper": ({"start_powerSGD_iter": 2}, 5, "fp16"),
-}
-
-
-def _in_turn(hook: Callable) -> Callable:
-    """Wait for each bucket's future before DDP moves on: torch's collectives then keep one order."""
-
-    def powersgd_in_turn(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        future = hook(state, bucket)
-        future.wait()
-        return future
-
-    return powersgd_in_turn
-
-
-@contextlib.contextmanager
-def _batched_orthogonalization() -> Iterator[None]:
-    """Have torch's module hand its orthogonalization a batch of one where it passes a matrix."""
-    orthogonalize = torch_powersgd._orthogonalize
-
-    def orthogonalize_batch(matrices: torch.Tensor, epsilon: float = 0) -> None:
-        orthogonalize(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
-
-    torch_powersgd._orthogonalize = orthogonalize_batch
-    try:
-        yield
-    finally:
-        torch_powersgd._orthogonalize = orthogonalize
-
-
-def _wrap(hook: Callable, wrapper: str, wrappers: Any) -> Callable:
-    if wrapper == "fp16":
-        return wrappers.fp16_compress_wrapper(hook)
-    if wrapper == "bf16":  # torch's DDP refuses the bf16 name on CPU builds
-        return passthrough(wrappers.bf16_compress_wrapper(hook))
-    return hook
-
-
-def _jittered(hook: Callable, rank: int) -> Callable:
-    """Delay every other hook call, differently on each rank, to shuffle collective timing."""
-
-    def jittered_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if (bucket.index() + rank) % 2:
-            time.sleep(0.003)
-        return hook(state, bucket)
-
-    return jittered_hook
-
-
-def _same_state(ours: PowerSGDState, theirs: Any) -> bool:
-    """Whether two states carry the same counters and per-bucket tensors."""
-    if (ours.iter, ours.compression_stats()) != (theirs.iter, theirs.compression_stats()):
-        return False
-    for mine, reference in (
-        (ours.error_dict, theirs.error_dict),
-        (ours.p_memory_dict, theirs.p_memory_dict),
-        (ours.q_memory_dict, theirs.q_memory_dict),
-    ):
-        if mine.keys() != reference.keys() or not all(torch.equal(mine[k], reference[k]) for k in mine):
-            return False
-    return True
-
-
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def _compare_case(rank: int, hooks: tuple[Callable, Callable], case: tuple[dict, int, str], jitter: bool) -> bool:
-    arguments, steps, wrapper = case
-    ours_hook, torch_hook = hooks
-    ours_state = PowerSGDState(None, **arguments)
-    hook = _wrap(ours_hook, wrapper, default_hooks)
-    mine = train(rank, _jittered(hook, rank) if jitter else hook, ours_state, steps=steps)
-    torch_state = torch_powersgd.PowerSGDState(None, **arguments)
-    reference = train(rank, _wrap(_in_turn(torch_hook), wrapper, torch_default), torch_state, steps=steps)
-    compressed = ours_state.compression_stats()[0] > 1  # or the comparison proves little
-    return compressed and _equal(mine, reference) and _same_state(ours_state, torch_state)
-
-
-def _compare_waited(rank: int, hooks: tuple[Callable, Callable], case: tuple[dict, int, str]) -> bool:
-    """Ours and torch's hook, each waited for inside the same wrapper: same parameters and state."""
-    arguments, steps, _ = case
-    ours_hook, torch_hook = hooks
-    ours_state = PowerSGDState(None, **arguments)
-    mine = train(rank, _in_turn(ours_hook), ours_state, steps=steps)
-    torch_state = torch_powersgd.PowerSGDState(None, **arguments)
-    reference = train(rank, _in_turn(torch_hook), torch_state, steps=steps)
-    return ours_state.compression_stats()[0] > 1 and _equal(mine, reference) and _same_state(ours_state, torch_state)
-
-
-def _train_finding_unused(rank: int, hook: Callable, state: Any, steps: int) -> list[torch.Tensor]:
-    """Train with ``find_unused_parameters``: DDP then allreduces a map right after the last bucket."""
-    model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True)
-    model.register_comm_hook(state, hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps):
-        optimizer.zero_grad()
-        model(rank_batch(rank, step)).square().mean().backward()
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _full_rank_is_allreduce(rank: int, hook: Callable) -> bool:
-    """With a rank as large as the matrices, PowerSGD must reproduce plain averaging (to rounding)."""
-    state = PowerSGDState(
-        None,
-        matrix_approximation_rank=100_000,
-        start_powerSGD_iter=0,
-        use_error_feedback=False,
-        warm_start=False,
-        min_compression_rate=0,
-    )
-    compressed = train(rank, hook, state, steps=4)
-    averaged = train(rank, default_hooks.allreduce_hook, steps=4)
-    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(compressed, averaged))
-
-
-def _compare_with_torch(rank: int, world_size: int, full: bool) -> dict[str, Any]:
-    report: dict[str, Any] = {"buckets": count_buckets(rank)}
-    layer_hooks = (powerSGD_hook, torch_powersgd.powerSGD_hook)
-    batched_hooks = (batched_powerSGD_hook, torch_powersgd.batched_powerSGD_hook)
-    layer_cases = LAYER_CASES if full else dict(list(LAYER_CASES.items())[:3])
-    batched_cases = BATCHED_CASES if full else dict(list(BATCHED_CASES.items())[:1])
-    for name, case in layer_cases.items():
-        report[f"powerSGD_hook: {name}"] = _compare_case(rank, layer_hooks, case, jitter=False)
-    with _batched_orthogonalization():
-        for name, case in batched_cases.items():
-            report[f"batched_powerSGD_hook: {name}"] = _compare_case(rank, batched_hooks, case, jitter=False)
-    # A wrapper that waits for the future inside the hook, as torch's tests and timing wrappers do:
-    # each future must complete without the next hook call (it used to hang here).
-    report["powerSGD_hook: waited inside a wrapper"] = _compare_waited(rank, layer_hooks, LAYER_CASES["error feedback + warm start, rank 1"])
-    with _batched_orthogonalization():
-        report["batched_powerSGD_hook: waited inside a wrapper"] = _compare_waited(
-            rank, batched_hooks, BATCHED_CASES["error feedback + warm start, rank 1"]
-        )
-    if full:
-        report["powerSGD_hook: jittered timing"] = _compare_case(
-            rank, layer_hooks, LAYER_CASES["error feedback + warm start, rank 1"], jitter=True
-        )
-        arguments = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}
-        mine = _train_finding_unused(rank, powerSGD_hook, PowerSGDState(None, **arguments), steps=5)
-        reference = _train_finding_unused(
-            rank, _in_turn(torch_powersgd.powerSGD_hook), torch_powersgd.PowerSGDState(None, **arguments), steps=5
-        )
-        report["powerSGD_hook: find_unused_parameters"] = _equal(mine, reference)
-        report["powerSGD_hook: full rank == allreduce"] = _full_rank_is_allreduce(rank, powerSGD_hook)
-        report["batched_powerSGD_hook: full rank == allreduce"] = _full_rank_is_allreduce(rank, batched_powerSGD_hook)
-    return report
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_hooks_equal_torch_bit_for_bit_on_many_buckets(world_size: int) -> None:
-    reports = run_ranks(_compare_with_torch, world_size, world_size == 2, timeout=150)
+    reports = run_ranks(compare_powersgd, world_size, world_size == 2, timeout=150)
     for rank, report in enumerate(reports):
         assert report.pop("buckets") >= 3, f"rank {rank}: the model must span several buckets"
         failed = [name for name, ok in report.items() if not ok]

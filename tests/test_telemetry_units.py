@@ -11,8 +11,6 @@ import pytest
 import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
 from prometheus_client import CollectorRegistry
 
@@ -22,6 +20,8 @@ from tensorplay.telemetry.finish import Finisher, OwnedSpan, _events_happened
 from tensorplay.telemetry.outcome import observe, outcome
 from tensorplay.telemetry.recorder import BucketRecord, CompressionStage
 from tensorplay.telemetry.timing import Stamp, happened, seconds_between, unix_ns
+
+from .sink import MemorySink, memory_sink
 
 
 class FakeEvent:
@@ -39,15 +39,8 @@ class FakeEvent:
         return later.device_ms - self.device_ms
 
 
-def _tracer() -> tuple[trace.Tracer, InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider.get_tracer("test"), exporter
-
-
 def _record(metrics: TensorplayMetrics | None = None) -> BucketRecord:
-    tracer, _ = _tracer()
+    tracer = memory_sink().provider.get_tracer("test")
     return BucketRecord(
         hook="fp16_compress_hook",
         reports_collectives=True,
@@ -67,13 +60,12 @@ def _record(metrics: TensorplayMetrics | None = None) -> BucketRecord:
 # --- spans ---------------------------------------------------------------------------------------
 
 
-def test_an_owned_span_ends_once_with_the_error() -> None:
-    tracer, exporter = _tracer()
-    span = OwnedSpan(tracer.start_span("s"))
+def test_an_owned_span_ends_once_with_the_error(sink: MemorySink) -> None:
+    span = OwnedSpan(sink.provider.get_tracer("test").start_span("s"))
     span.end({"a": 1}, error=ValueError("boom"))
     span.end({"a": 2})
     span.end(incomplete="again")
-    (finished,) = exporter.get_finished_spans()
+    (finished,) = sink.finished()
     assert finished.attributes["a"] == 1
     assert finished.status.status_code == trace.StatusCode.ERROR and "boom" in finished.status.description
     assert [e.attributes["exception.message"] for e in finished.events] == ["boom"]
@@ -93,13 +85,6 @@ class _BlockingSpan:
         self.ended += 1
 
 
-def _wait_until(condition: Any, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
-
-
 def test_the_finisher_queue_is_bounded_and_a_drop_is_no_longer_pending() -> None:
     finisher = Finisher(capacity=2)
     stuck = _BlockingSpan()
@@ -115,16 +100,15 @@ def test_the_finisher_queue_is_bounded_and_a_drop_is_no_longer_pending() -> None
     assert finisher.flush(10) and stuck.ended == 3
 
 
-def test_a_join_span_is_ended_on_the_finisher_thread_and_flushed() -> None:
-    tracer, exporter = _tracer()
+def test_a_join_span_is_ended_on_the_finisher_thread_and_flushed(sink: MemorySink) -> None:
     finisher = Finisher()
     ended_on: list[str] = []
-    span = tracer.start_span("tensorplay.join")
+    span = sink.provider.get_tracer("test").start_span("tensorplay.join")
     original_end = span.end
     span.end = lambda **kwargs: (ended_on.append(threading.current_thread().name), original_end(**kwargs))  # type: ignore[method-assign]
     finisher.end_span(OwnedSpan(span), {"a": 1}, end_time=span.start_time + 5)  # type: ignore[operator]
     assert finisher.flush(10)
-    (finished,) = exporter.get_finished_spans()
+    (finished,) = sink.finished()
     assert ended_on == ["tensorplay-finisher"] and finished.attributes["a"] == 1
     assert finished.end_time == finished.start_time + 5
 
@@ -308,7 +292,7 @@ def test_a_forked_child_finishes_on_a_thread_of_its_own() -> None:
     """The parent's finisher thread does not survive a fork: the child must start its own."""
     from tensorplay.telemetry.finish import finisher
 
-    tracer, _ = _tracer()
+    tracer = memory_sink().provider.get_tracer("test")
     finisher().started()
     finisher().abandoned(OwnedSpan(tracer.start_span("parent")))
     assert finisher().flush(10)  # the parent's thread runs

@@ -24,9 +24,8 @@ from typing import Any, Sequence
 import pytest
 import torch
 import torch.distributed as dist
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -35,11 +34,12 @@ from tensorplay import traced
 from tensorplay.distributed.algorithms.ddp_comm_hooks import _common, default_hooks
 from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from tensorplay.telemetry import TensorplayMetrics, flush
-from tensorplay.telemetry.names import Attr
-from tensorplay.telemetry.recorder import BucketRecord
 from tensorplay.telemetry.finish import finisher
+from tensorplay.telemetry.names import HOOK_SPAN_NAME, Attr
 
 from .ranks import run_ranks
+from .sink import CountingExporter, memory_sink
+from .traced_cases import live_records
 from .training import BUCKET_CAP_MB, make_model, rank_batch, train
 
 PAUSE_S = 0.3  # backward sleeps this long between the buckets of the PowerSGD scenario
@@ -68,20 +68,18 @@ class _Paused(nn.Module):
 
 
 def powersgd_latency(rank: int) -> dict:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    sink = memory_sink()
     layers = list(make_model())
     model = DDP(nn.Sequential(*layers[:3], _Paused(), *layers[3:]), bucket_cap_mb=BUCKET_CAP_MB)
     state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
-    model.register_comm_hook(state, traced(powerSGD_hook, tracer_provider=provider))
+    model.register_comm_hook(state, traced(powerSGD_hook, tracer_provider=sink.provider))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(4):
         optimizer.zero_grad()
         model(rank_batch(rank, step)).square().mean().backward()
         optimizer.step()
     assert flush(30)
-    spans = [dict(s.attributes) for s in exporter.get_finished_spans()]
+    spans = sink.spans(None)
     compressing = [s for s in spans if s[Attr.STEP] >= 2]
     return {
         "compressing spans": len(compressing),
@@ -114,21 +112,18 @@ class _NeverAnswers(SpanExporter):
 
 def stuck_exporter(rank: int) -> dict:
     exporter = _NeverAnswers()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    metrics = TensorplayMetrics(CollectorRegistry())
+    sink = memory_sink(exporter)
     calls = [0]
 
     def counting(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         calls[0] += 1
         return hook(state, bucket)
 
-    hook = traced(default_hooks.fp16_compress_hook, metrics=metrics, tracer_provider=provider)
+    hook = sink.traced(default_hooks.fp16_compress_hook)
     started = time.monotonic()
     traced_params = train(rank, counting, steps=6)
     elapsed = time.monotonic() - started
-    labels = {"rank": str(rank), "hook": "fp16_compress_hook"}
-    observed_while_stuck = metrics.registry.get_sample_value("tensorplay_allreduce_latency_seconds_count", labels)
+    observed_while_stuck = sink.sample("tensorplay_allreduce_latency_seconds_count", rank=str(rank), hook="fp16_compress_hook")
     exports_while_stuck = exporter.calls
     exporter.release.set()
     drained = flush(30)
@@ -157,10 +152,8 @@ class _FailedWork:
 
 def _spans_of(hook: Any, rank: int, state: Any = None, **traced_options: Any) -> dict:
     """Train one step with traced(hook); return the error (if any) and the spans' status and events."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    wrapped = traced(hook, tracer_provider=provider, **traced_options)
+    sink = memory_sink()
+    wrapped = traced(hook, tracer_provider=sink.provider, **traced_options)
     calls = [0]
 
     def counting(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -173,7 +166,7 @@ def _spans_of(hook: Any, rank: int, state: Any = None, **traced_options: Any) ->
     except (RuntimeError, ValueError) as caught:  # DDP re-raises the hook's or the future's error
         params, error = None, str(caught)
     assert flush(30)
-    spans = [s for s in exporter.get_finished_spans() if s.name == "tensorplay.comm_hook"]
+    spans = [s for s in sink.finished() if s.name == HOOK_SPAN_NAME]
     return {
         "error": error,
         "params": params,
@@ -236,27 +229,12 @@ def failing_spans(rank: int) -> dict:
 # --- soak ---------------------------------------------------------------------------------------
 
 
-class _Counting(SpanExporter):
-    def __init__(self) -> None:
-        self.exported = 0
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.exported += len(spans)
-        return SpanExportResult.SUCCESS
-
-
-def _live_records() -> int:
-    return sum(isinstance(o, BucketRecord) for o in gc.get_objects())
-
-
 def soak(rank: int) -> dict:
-    exporter = _Counting()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    metrics = TensorplayMetrics(CollectorRegistry())
+    exporter = CountingExporter()
+    sink = memory_sink(exporter)
     torch.manual_seed(0)
     model = DDP(nn.Linear(32, 32))  # one bucket per step
-    model.register_comm_hook(None, traced(default_hooks.allreduce_hook, metrics=metrics, tracer_provider=provider))
+    model.register_comm_hook(None, sink.traced(default_hooks.allreduce_hook))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batch = torch.randn(4, 32)
     objects, records, pending = {}, {}, []
@@ -270,16 +248,14 @@ def soak(rank: int) -> dict:
             flush(30)
             gc.collect()
             objects[step] = len(gc.get_objects())
-            records[step] = _live_records()
+            records[step] = live_records()
     return {
         "objects": objects,
         "records": records,
         "pending": pending,
         "exported": exporter.exported,
-        "in flight": metrics.collectives_in_flight.in_flight(str(rank)),
-        "waiting since": metrics.registry.get_sample_value(
-            "tensorplay_collective_waiting_since_timestamp_seconds", {"rank": str(rank)}
-        ),
+        "in flight": sink.metrics.collectives_in_flight.in_flight(str(rank)),
+        "waiting since": sink.sample("tensorplay_collective_waiting_since_timestamp_seconds", rank=str(rank)),
     }
 
 
@@ -310,21 +286,16 @@ def _train_two_models(rank: int, hook: Any, one_backward: bool) -> list[torch.Te
 def two_models(rank: int) -> dict:
     outcome: dict[str, Any] = {}
     for one_backward in (False, True):
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        metrics = TensorplayMetrics(CollectorRegistry())
-        hook = traced(default_hooks.fp16_compress_hook, error_every=2, metrics=metrics, tracer_provider=provider)
+        sink = memory_sink()
+        hook = sink.traced(default_hooks.fp16_compress_hook, error_every=2)
         traced_params = _train_two_models(rank, hook, one_backward)
         assert flush(30)
         plain_params = _train_two_models(rank, default_hooks.fp16_compress_hook, one_backward)
         calls: dict[int, list[tuple[int, bool]]] = {}
-        for span in exporter.get_finished_spans():
-            attributes = span.attributes
+        for attributes in sink.spans(None):
             calls.setdefault(attributes.get(Attr.MODEL, 0), []).append(
                 (attributes[Attr.STEP], Attr.COMPRESSION_RELATIVE_ERROR in attributes)
             )
-        registry = metrics.registry
         outcome["one backward" if one_backward else "one backward each"] = {
             "bitwise equal": all(
                 torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(traced_params, plain_params)
@@ -337,14 +308,10 @@ def two_models(rank: int) -> dict:
             },
             "spans": {model: len(c) for model, c in calls.items()},
             "latency counts": [
-                registry.get_sample_value(
-                    "tensorplay_allreduce_latency_seconds_count", {"rank": str(rank), "hook": label}
-                )
+                sink.sample("tensorplay_allreduce_latency_seconds_count", rank=str(rank), hook=label)
                 for label in ("fp16_compress_hook", "fp16_compress_hook#1")
             ],
-            "compute observations": registry.get_sample_value(
-                "tensorplay_step_compute_seconds_count", {"rank": str(rank)}
-            ),
+            "compute observations": sink.sample("tensorplay_step_compute_seconds_count", rank=str(rank)),
         }
     return outcome
 
@@ -375,10 +342,8 @@ def freed_then_new_model(rank: int) -> dict:
 
 def models_sharing_a_parameter(rank: int) -> dict:
     """Two DDP models whose first layer is one and the same module, each with a layer of its own."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    hook = traced(default_hooks.allreduce_hook, metrics=TensorplayMetrics(CollectorRegistry()), tracer_provider=provider)
+    sink = memory_sink()
+    hook = sink.traced(default_hooks.allreduce_hook)
     torch.manual_seed(0)
     shared = nn.Linear(32, 32)
     models = [DDP(nn.Sequential(shared, nn.Linear(32, 32))) for _ in range(2)]
@@ -389,8 +354,8 @@ def models_sharing_a_parameter(rank: int) -> dict:
             model(rank_batch(rank, step)[:, :32]).square().mean().backward()
     assert flush(30)
     steps: dict[int, list[int]] = {}
-    for span in exporter.get_finished_spans():
-        steps.setdefault(span.attributes[Attr.MODEL], []).append(span.attributes[Attr.STEP])
+    for span in sink.spans(None):
+        steps.setdefault(span[Attr.MODEL], []).append(span[Attr.STEP])
     return {model: sorted(s) for model, s in steps.items()}
 
 
