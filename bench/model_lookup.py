@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tensorplay.telemetry.models import ModelsOfHook
+from tensorplay.telemetry.model_identity import ModelsOfHook
 
 
 def _per_call_us(call: Any, calls: int) -> float:

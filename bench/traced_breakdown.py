@@ -39,11 +39,11 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as po
 from tensorplay.telemetry import enable_metrics
 
 PARTS = {
-    "compression figures before launch": ("figures.py", "compression_figures"),
-    "cast figures after the collective": ("figures.py", "cast_figures"),
-    "  non-finite check of the result": ("figures.py", "all_finite"),
+    "compression figures before launch": ("compression_figures.py", "compression_figures"),
+    "cast figures after the collective": ("compression_figures.py", "cast_figures"),
+    "  non-finite check of the result": ("compression_figures.py", "all_finite"),
     "start of the record": ("traced.py", "_start_record"),
-    "which model the bucket is from": ("models.py", "of"),
+    "which model the bucket is from": ("model_identity.py", "enter"),
     "collective bookkeeping": ("recorder.py", "collective_launching"),
     "following the future": ("recorder.py", "follow"),
 }

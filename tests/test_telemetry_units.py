@@ -15,7 +15,7 @@ from opentelemetry.util._once import Once
 from prometheus_client import CollectorRegistry
 
 from tensorplay.telemetry import TensorplayMetrics, configure_tracing
-from tensorplay.telemetry import figures
+from tensorplay.telemetry import compression_figures as figures
 from tensorplay.telemetry.finish import Finisher, OwnedSpan, _events_happened
 from tensorplay.telemetry.outcome import observe, outcome
 from tensorplay.telemetry.recorder import BucketRecord, CompressionStage

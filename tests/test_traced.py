@@ -93,7 +93,7 @@ def test_fp16_overflow_is_counted_in_span_and_metric() -> None:
 
 
 def _negative_cases(rank: int, world_size: int, busy_port: int, dead_endpoint: str) -> dict:
-    import tensorplay.telemetry.figures as figures
+    import tensorplay.telemetry.compression_figures as figures
     import tensorplay.telemetry.recorder as recorder
     from tensorplay.telemetry import configure_tracing, disable_metrics, enable_metrics, metrics as metrics_module
 
@@ -233,7 +233,7 @@ def test_a_traced_hook_pickles_and_copies_to_an_equivalent_one(hook: Any, name: 
     import inspect
     import pickle
 
-    from tensorplay.telemetry.models import ModelsOfHook
+    from tensorplay.telemetry.model_identity import ModelsOfHook
 
     metrics = TensorplayMetrics(CollectorRegistry())
     original = traced(hook, error_every=3, metrics=metrics)
@@ -415,7 +415,7 @@ def _poisoned_on_one_rank(rank: int, world_size: int) -> dict:
     """
     import threading
 
-    import tensorplay.telemetry.figures as figures
+    import tensorplay.telemetry.compression_figures as figures
 
     events: list[tuple[str, int]] = []
     launch = dist.all_reduce

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from .figures import error_value, to_number
+from .compression_figures import error_value, to_number
 from .names import Attr
 from .recorder import BucketRecord
 from .timing import seconds_between, unix_ns

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import figures
+from . import compression_figures as figures
 from .metrics import TensorplayMetrics
 from .timing import Stamp, stamp
 

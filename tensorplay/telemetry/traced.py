@@ -24,7 +24,7 @@ from opentelemetry import trace
 from . import probe
 from .finish import OwnedSpan, finisher
 from .metrics import TensorplayMetrics, active_metrics
-from .models import CallPlace, ModelsOfHook
+from .model_identity import CallPlace, ModelsOfHook
 from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord
 from .timing import stamp
