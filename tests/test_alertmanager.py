@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from .server_process import ServerProcess, find_binary
+from .waiting import wait_until
 
 CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "alertmanager" / "alertmanager.yml"
 INSTALL_HINT = "apt-get install -y prometheus-alertmanager, as .ci/run does"
@@ -71,12 +72,23 @@ def test_per_rank_alerts_make_one_group_per_alert_and_job(alertmanager: str):
     alerts += [alert("TensorplayRankStalled", "bert", r, severity="critical") for r in range(5)]
     _api(alertmanager, "/api/v2/alerts", alerts)
 
-    groups = _api(alertmanager, "/api/v2/alerts/groups")
-    found = {(g["labels"]["alertname"], g["labels"]["job"]): g for g in groups}
-    assert all(set(g["labels"]) == {"alertname", "job"} for g in groups), [g["labels"] for g in groups]
-    assert {key: len(g["alerts"]) for key, g in found.items()} == {
+    expected = {
         ("TensorplayRankMetricsMissing", "bert"): 300,
         ("TensorplayRankMetricsMissing", "gpt"): 20,
         ("TensorplayRankStalled", "bert"): 5,
     }
+    seen: list = []
+
+    def grouped() -> list | None:
+        """The groups once Alertmanager has placed every posted alert (its dispatcher does so
+        after the POST has returned, so a read right after it can see a group still filling)."""
+        groups = _api(alertmanager, "/api/v2/alerts/groups")
+        seen[:] = [groups]
+        counts = {(g["labels"].get("alertname"), g["labels"].get("job")): len(g["alerts"]) for g in groups}
+        return groups if sum(counts.values()) >= sum(expected.values()) else None
+
+    groups = wait_until(grouped, 30, "Alertmanager to group every posted alert", details=lambda: repr(seen)[:2000])
+    found = {(g["labels"]["alertname"], g["labels"]["job"]): g for g in groups}
+    assert all(set(g["labels"]) == {"alertname", "job"} for g in groups), [g["labels"] for g in groups]
+    assert {key: len(g["alerts"]) for key, g in found.items()} == expected
     assert {g["receiver"]["name"] for g in groups} == {"tensorplay"}
