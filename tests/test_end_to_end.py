@@ -114,12 +114,13 @@ def start_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *f
     return ScrapedRun(server, job, demo, started, 0.0)
 
 
-def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *flags: str):
-    """Start Prometheus and ``python -m tensorplay demo``; return a ScrapedRun once ``at`` is known.
+def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *flags: str, **server_options):
+    """Start Prometheus (``server_options`` go to PrometheusServer) and ``python -m tensorplay demo``;
+    return a ScrapedRun once ``at`` is known.
 
     The caller checks, then calls ``finish()``; on a failed check it stops the demo (``run.demo.stop()``).
     """
-    run = start_scraped_demo(prometheus, tmp_path, job, world_size, *flags)
+    run = start_scraped_demo(prometheus, tmp_path, job, world_size, *flags, **server_options)
     server, demo = run.server, run.demo
     try:
         # 1. Training is over on every rank and its telemetry flushed: the served values are final.
@@ -189,6 +190,12 @@ def check_dashboards(run: ScrapedRun) -> dict[str, int]:
     assert not missing, f"dashboard queries without data: {missing}"
     assert not unexpected, f"dashboard queries with data where none is expected: {unexpected}"
     return answered
+
+
+def _scraped_mid_training(run: ScrapedRun) -> dict[str, float]:
+    """``{rank: scrapes that saw its step count change}``: every rate the lateness rules take
+    needs at least one per rank (two samples of a counter, the later one higher)."""
+    return run.values(f'changes(tensorplay_steps_total{{job="{run.job}"}}[10m])')
 
 
 def _lateness(run: ScrapedRun) -> tuple[dict[str, float], dict[str, float]]:
@@ -315,9 +322,16 @@ def test_a_bigger_batch_on_one_rank_is_named_by_its_share_of_the_step(prometheus
     value, above the alert's 20 % and 10 ms; the demo's report names it with the same share (from
     the spans, on the same steps); no other alert fires."""
     job = "e2e-batch-straggler"
-    run = run_scraped_demo(prometheus, tmp_path, job, 2, "--steps", "30", "--straggler-rank", "1",
-                           "--straggler-kind", "batch", "--straggler-batch-factor", "16")
+    # Nothing paces this run (no sleep): at ~45 ms a step here, 30 steps ended within one or two
+    # 1 s scrapes, and a rank whose counters were scraped only at their final value has no rate
+    # -- no share, no alert (seen in CI-like runs). 60 steps under a 250 ms scrape interval give
+    # every rank's counters several scrapes while it trains, on a machine 4 times faster too.
+    run = run_scraped_demo(prometheus, tmp_path, job, 2, "--steps", "60", "--straggler-rank", "1",
+                           "--straggler-kind", "batch", "--straggler-batch-factor", "16",
+                           scrape_interval="250ms")
     try:
+        scraped = _scraped_mid_training(run)
+        assert len(scraped) == 2 and min(scraped.values()) >= 2, f"too few scrapes while training: {scraped}"
         shares, lateness = _lateness(run)
         print(f"\nbatch straggler run: share of every step per rank {shares}, seconds per step {lateness}")
         named = run.values(alert_expr("TensorplayStragglerRank"))
@@ -334,7 +348,7 @@ def test_a_bigger_batch_on_one_rank_is_named_by_its_share_of_the_step(prometheus
     verdict = next(line for line in stdout.splitlines() if line.startswith("straggler: "))
     reported = re.match(r"straggler: rank 1 costs the job (\d+) % of every step", verdict)
     assert reported, stdout
-    # The report weighs steps 1..29 from the spans; Prometheus the steps its scrapes saw.
+    # The report weighs steps 1..59 from the spans; Prometheus the steps its scrapes saw.
     assert int(reported.group(1)) == pytest.approx(100 * named["1"], abs=8), (verdict, named)
     assert "injected: rank 1 trains a 16x batch (512 samples against its peers' 32) (found)" in stdout
 
