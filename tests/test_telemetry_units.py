@@ -18,7 +18,7 @@ from tensorplay.telemetry import TensorplayMetrics, configure_tracing
 from tensorplay.telemetry import compression_figures as figures
 from tensorplay.telemetry.finish import Finisher, OwnedSpan, _events_happened
 from tensorplay.telemetry.outcome import observe, outcome
-from tensorplay.telemetry.recorder import BucketRecord, CompressionStage
+from tensorplay.telemetry.recorder import BucketLayout, BucketRecord, CompressionStage
 from tensorplay.telemetry.timing import Stamp, happened, seconds_between, unix_ns
 
 from .sink import MemorySink, memory_sink
@@ -48,7 +48,7 @@ def _record(metrics: TensorplayMetrics | None = None) -> BucketRecord:
         rank=0,
         world_size=2,
         bucket_index=0,
-        buffer=torch.zeros(8),
+        layout=BucketLayout(torch.zeros(8)),
         sample_error=True,
         span=OwnedSpan(tracer.start_span("tensorplay.comm_hook")),
         metrics=metrics,
@@ -88,8 +88,6 @@ class _BlockingSpan:
 def test_the_finisher_queue_is_bounded_and_a_drop_is_no_longer_pending() -> None:
     finisher = Finisher(capacity=2)
     stuck = _BlockingSpan()
-    for _ in range(4):
-        finisher.started()
     finisher.abandoned(stuck)  # type: ignore[arg-type]
     assert stuck.entered.wait(10)  # the thread took it: the queue is empty again
     for _ in range(3):
@@ -293,14 +291,12 @@ def test_a_forked_child_finishes_on_a_thread_of_its_own() -> None:
     from tensorplay.telemetry.finish import finisher
 
     tracer = memory_sink().provider.get_tracer("test")
-    finisher().started()
     finisher().abandoned(OwnedSpan(tracer.start_span("parent")))
     assert finisher().flush(10)  # the parent's thread runs
     pid = os.fork()
     if pid == 0:  # the child: exit 0 only if its span was ended
         status = 1
         try:
-            finisher().started()
             finisher().abandoned(OwnedSpan(tracer.start_span("child")))
             status = 0 if finisher().flush(5) else 1
         finally:
@@ -316,7 +312,6 @@ def test_a_cuda_record_is_finished_once_its_events_complete() -> None:
     record.called = Stamp(0, 0, FakeEvent(0.0))
     record.ends.completed = Stamp(0, 0, FakeEvent(2.0))
     finisher = Finisher()
-    finisher.started()
     finisher.completed(record)
     assert not finisher.flush(0.05) and finisher.waiting() == 1
     record.called.event.done = record.ends.completed.event.done = True
@@ -471,7 +466,6 @@ def test_only_a_slow_span_processor_is_called_slow(caplog: pytest.LogCaptureFixt
     caplog.set_level("DEBUG", logger="tensorplay.telemetry.finish")
     finisher = Finisher()
     for span in (_SlowSpan(0.0), _SlowSpan(finish.SLOW_END_S), _SlowSpan(finish.SLOW_END_S)):
-        finisher.started()
         finisher.abandoned(span)  # type: ignore[arg-type]
     assert finisher.flush(10)
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -564,3 +558,46 @@ def test_an_idle_connection_is_closed_by_the_server(capfd: pytest.CaptureFixture
         server.close()
     assert waited < 5
     assert "Traceback" not in capfd.readouterr().err  # a timed-out client is no news on stderr
+
+
+# --- which model a bucket is from ----------------------------------------------------------------
+
+
+class _Bucket:
+    """A GradBucket's face for ModelsOfHook: a buffer, an index, the parameters it reduces."""
+
+    def __init__(self, buffer: torch.Tensor, parameters: list[torch.Tensor], index: int = 0, last: bool = True) -> None:
+        self._buffer, self._parameters, self._index, self._last = buffer, parameters, index, last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def test_a_buffer_is_known_only_while_it_lives_and_never_by_a_reused_id() -> None:
+    """Buffers that die (freed models, DDP's bucket rebuild) leave no entry behind, and a new tensor
+    that happens to get a dead buffer's ``id`` is placed afresh, not taken for the dead one's bucket."""
+    from tensorplay.telemetry.model_identity import ModelsOfHook
+
+    models = ModelsOfHook()
+    parameter = torch.zeros(2)
+    for _ in range(1000):  # one-shot buffers: a model's first iteration, then a rebuild, over and over
+        place = models.enter(_Bucket(torch.zeros(4), [parameter]))
+        assert place.bucket.layout.numel == 4
+    assert len(models._by_buffer) <= 1  # only a buffer still referenced (none, once the loop's is gone)
+
+    kept = torch.zeros(4)
+    first = models.enter(_Bucket(kept, [parameter]))
+    stale = models._by_buffer[id(kept)]
+    stranger = torch.zeros(8)
+    models._by_buffer[id(stranger)] = stale  # as if ``stranger`` had reused a dead buffer's id
+    place = models.enter(_Bucket(stranger, [torch.zeros(2)], index=0))
+    assert place.bucket is not stale and place.bucket.layout.numel == 8 and place.model is not first.model

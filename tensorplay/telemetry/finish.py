@@ -15,8 +15,10 @@ processors run inside ``span.end()`` and an application's processor may export i
 or dead collector. It never completes a future and never runs a user's callback, so nothing a
 user chained can wait on it. The queue is bounded: when it is full a span is dropped and counted.
 
-Every traced call is pending from the moment its record exists until its span has ended (or was
-dropped); :func:`flush` waits until nothing is.
+Every traced call is pending from the moment its record is handed over (its hook's future
+completed, or the hook raised) until its span has ended (or was dropped); :func:`flush` waits
+until nothing is. DDP's backward returns only once every bucket's future completed, so a flush
+after it waits for every call of that backward.
 """
 
 from __future__ import annotations
@@ -169,8 +171,12 @@ class Finisher:
 
     # -- the training thread and the callbacks of futures --
 
-    def started(self) -> None:
-        """Count one traced call as pending (call it once its record exists)."""
+    def _admit(self) -> None:
+        """Count one job as pending: a record or span handed over, until its span has ended or was dropped.
+
+        Counted when handed over, not when the hook is called: the training thread takes no lock
+        for it, and by the time DDP's backward returns every record of it has been handed over.
+        """
         with self._wake:
             self._pending += 1
             if not self._exit_flush_registered:
@@ -187,22 +193,24 @@ class Finisher:
         hook chained on it). A CPU record is finished right there, so its metrics never wait for
         a span processor; a CUDA record goes to the thread, which waits for its events.
         """
+        self._admit()
         if record.device is not None:
             self._submit(record)
         else:
             self._finish(record)
 
     def abandoned(self, span: OwnedSpan, error: BaseException | None = None, incomplete: str | None = None) -> None:
-        """End the span of a pending call that produced no record to finish (the hook raised, say)."""
+        """End the span of a call that produced no record to finish (the hook raised, say)."""
+        self._admit()
         self._submit(_SpanEnd(span, error=error, incomplete=incomplete))
 
     def end_span(self, span: OwnedSpan, attributes: dict[str, Any], end_time: int | None = None) -> None:
         """End a span that belongs to no hook call (``Join``'s) on the thread; :func:`flush` waits for it too."""
-        self.started()
+        self._admit()
         self._submit(_SpanEnd(span, attributes=attributes, end_time=end_time))
 
     def pending(self) -> int:
-        """Traced calls (and ``Join`` spans) whose span has not ended yet."""
+        """Traced calls handed over (and ``Join`` spans) whose span has not ended yet."""
         with self._wake:
             return self._pending
 

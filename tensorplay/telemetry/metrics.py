@@ -144,6 +144,8 @@ class TensorplayMetrics:
         self._served = _WithoutCreated(families)
         self.registry.register(self._served)  # after the families: names are checked here
         self._children: dict[tuple[Any, str, str | None], Any] = {}
+        self._last_hook_calls: dict[str, LastHookCall] = {}
+        self._last_hook_calls_lock = threading.Lock()
 
     def withdraw(self) -> None:
         """Take these families out of ``registry`` (whose endpoint then no longer serves them)."""
@@ -162,9 +164,37 @@ class TensorplayMetrics:
             self._children[key] = found
         return found
 
+    def last_hook_call(self, rank: str) -> "LastHookCall":
+        """Where the training thread notes ``rank``'s latest hook call; the gauge reads it when scraped.
+
+        A plain attribute write per bucket instead of a gauge update under its lock: the training
+        thread pays for every line it runs after a backward pass has evicted the caches.
+        """
+        found = self._last_hook_calls.get(rank)
+        if found is None:
+            with self._last_hook_calls_lock:
+                found = self._last_hook_calls.get(rank)
+                if found is None:
+                    found = LastHookCall()
+                    self.last_step_timestamp.labels(rank=rank).set_function(found.read)
+                    self._last_hook_calls[rank] = found
+        return found
+
     def count_error(self, rank: int, reason: str) -> None:
         """Count a telemetry problem that training went on through."""
         self.telemetry_errors.labels(rank=str(rank), reason=reason).inc()
+
+
+class LastHookCall:
+    """The Unix time of a rank's latest hook call, as the training thread last wrote it."""
+
+    __slots__ = ("unix_s",)
+
+    def __init__(self) -> None:
+        self.unix_s = 0.0
+
+    def read(self) -> float:
+        return self.unix_s
 
 
 _lock = threading.Lock()

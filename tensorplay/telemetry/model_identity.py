@@ -3,8 +3,9 @@
 A hook sees only ``(state, bucket)``, and the state may be None for every model. What tells the
 models apart is the bucket itself: each DDP model has its own flat buffer per bucket, and torch
 hands out the same Python tensor for it on every call, so a bucket is known by its buffer's
-identity (a :class:`~torch.utils.weak.WeakIdKeyDictionary` look-up). A buffer seen for the first
-time (a model's first iteration, or the one bucket rebuild DDP does after it) is placed using two
+identity (a dict by ``id`` whose entry holds the buffer weakly and goes when it dies). A buffer
+seen for the first time (a model's first iteration, or the one bucket rebuild DDP does after it)
+is placed using two
 facts: DDP launches a model's buckets in index order 0..last every iteration, and a rebuilt
 bucket holds only parameters its model already reduced. So an unseen buffer goes to a model that
 owns every one of its parameters and expects its index next; failing that, a bucket 0 starts a new
@@ -12,12 +13,15 @@ model and a later bucket continues the model whose first iteration expects it. T
 share a parameter stay two: each also holds parameters the other does not.
 
 Parameters and buffers are held weakly, and a model's state lives as long as one of its
-parameters: a model that is freed takes its state (step count, when its last step ended) with it. The next new model reuses its number, so labels stay bounded, and starts afresh.
-A lock makes placing and counting safe when two threads run backward passes.
+parameters: a model that is freed takes its state (step count, when its last step ended) with
+it. The next new model reuses its number, so labels stay bounded, and starts afresh.
+A lock makes placing safe when two threads run backward passes; each model's counters belong to
+the one thread that runs its backward.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -25,9 +29,9 @@ from typing import Any
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .recorder import CollectiveEnds
+from .recorder import BucketLayout, CollectiveEnds
 
-__all__ = ["ModelSteps", "ModelsOfHook", "CallPlace"]
+__all__ = ["ModelSteps", "ModelsOfHook", "KnownBucket", "CallPlace"]
 
 _logger = logging.getLogger(__name__)
 
@@ -51,22 +55,45 @@ class ModelSteps:
         training thread tens of microseconds per bucket after a backward pass)."""
 
 
-class CallPlace:
-    """Where one hook call stands: its model, step, and whether it begins or ends the step."""
+class KnownBucket:
+    """A bucket buffer once seen: its model, its place in the model's steps, its layout.
 
-    __slots__ = ("model", "step", "first_of_step", "last_of_step", "previous_step_end", "bucket_index", "buffer")
+    None of it changes for the buffer's life (DDP's one rebuild makes new buffers), so a call
+    reads it here instead of asking the ``GradBucket`` and the tensor again.
+    """
 
-    def __init__(
-        self, model: ModelSteps, step: int, first: bool, last: bool, previous: CollectiveEnds | None, index: int, buffer: Any
-    ) -> None:
+    __slots__ = ("buffer", "model", "index", "last", "layout")
+
+    def __init__(self, model: ModelSteps, index: int, last: bool, layout: BucketLayout | None,
+                 buffer: weakref.ref | None = None) -> None:
+        self.buffer = buffer
+        """The buffer, weakly: what tells this bucket from one that reuses a dead buffer's id."""
         self.model = model
+        self.index = index
+        self.last = last
+        """Whether it is its model's last bucket, the one that ends a step."""
+        self.layout = layout
+        """None for a bucket without a buffer (a test double): nothing to record."""
+
+
+class CallPlace:
+    """Where one hook call stands: its bucket, its model's step, and whether it begins the step."""
+
+    __slots__ = ("bucket", "step", "first_of_step", "previous_step_end")
+
+    def __init__(self, bucket: KnownBucket, step: int, first: bool, previous: CollectiveEnds | None) -> None:
+        self.bucket = bucket
         self.step = step
         self.first_of_step = first
-        self.last_of_step = last
         self.previous_step_end = previous
-        self.bucket_index = index
-        self.buffer = buffer
-        """The bucket's buffer and index, read once per call (each read costs the training thread)."""
+
+    @property
+    def model(self) -> ModelSteps:
+        return self.bucket.model
+
+    @property
+    def last_of_step(self) -> bool:
+        return self.bucket.last
 
 
 class ModelsOfHook:
@@ -74,10 +101,13 @@ class ModelsOfHook:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        """Held while a buffer is placed (the look-ups of every model's parameters)."""
         self._models: list[weakref.ref[ModelSteps]] = []
         """By model number; a dead reference is a freed model whose number is free again."""
-        self._by_buffer: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        """Bucket buffer -> its model."""
+        self._by_buffer: dict[int, KnownBucket] = {}
+        """``id(buffer)`` -> its KnownBucket, for as long as the buffer lives. Not a
+        WeakIdKeyDictionary: its look-up runs five Python functions, ~40 us of the training
+        thread per bucket after a backward pass; this one is a dict get and a weakref call."""
         self._by_parameter: WeakIdKeyDictionary = WeakIdKeyDictionary()
         """Parameter -> the models that reduced it (models may share a parameter). These lists hold the
         models: a model lives as long as one of its parameters (its bucket buffers change once)."""
@@ -85,22 +115,27 @@ class ModelsOfHook:
         """The one model of buckets that cannot tell (no parameters: a test double)."""
 
     def enter(self, bucket: Any) -> CallPlace:
-        """Count one hook call of ``bucket`` and return where it stands in its model's steps."""
-        last = bucket.is_last()
-        index = bucket.index()
+        """Count one hook call of ``bucket`` and return where it stands in its model's steps.
+
+        A known buffer takes one look-up and no lock: a model's own counters are only written by
+        the thread running its backward pass (DDP runs one backward at a time per model), so
+        two threads training two models never write the same counters.
+        """
         try:
             buffer = bucket.buffer()
         except Exception:  # a test double without one: the one model of buckets that cannot tell
             buffer = None
-        with self._lock:
-            model = self._of(bucket, buffer)
-            first = model.expected_bucket == 0
-            place = CallPlace(model, model.step, first, last, model.previous_step_end, index, buffer)
-            if last:
-                model.step += 1
-                model.expected_bucket = 0
-            else:
-                model.expected_bucket = index + 1
+        known = self._by_buffer.get(id(buffer)) if buffer is not None else None
+        if known is None or known.buffer() is not buffer:
+            with self._lock:
+                known = self._known(bucket, buffer)
+        model = known.model
+        place = CallPlace(known, model.step, model.expected_bucket == 0, model.previous_step_end)
+        if known.last:
+            model.step += 1
+            model.expected_bucket = 0
+        else:
+            model.expected_bucket = known.index + 1
         return place
 
     @staticmethod
@@ -114,17 +149,32 @@ class ModelsOfHook:
         with self._lock:
             return sum(ref() is not None for ref in self._models)
 
-    def _of(self, bucket: Any, buffer: Any) -> ModelSteps:
+    def _known(self, bucket: Any, buffer: Any) -> KnownBucket:
+        """Place a buffer not seen before (or a bucket without one) and remember what it is."""
+        index, last = bucket.index(), bucket.is_last()
         if buffer is None:
-            return self._single()
-        try:
-            model = self._by_buffer.get(buffer)
-            if model is None:
+            return KnownBucket(self._single(), index, last, None)
+        key = id(buffer)
+        known = self._by_buffer.get(key)  # another thread may have placed it while this one waited
+        if known is None or known.buffer() is not buffer:
+            try:
                 model = self._place(bucket, buffer)
-            return model
-        except Exception:  # a bucket without parameters (a test double): one model
-            _logger.debug("tensorplay: cannot tell which model a bucket belongs to", exc_info=True)
-            return self._single()
+            except Exception:  # a bucket without parameters (a test double): one model
+                _logger.debug("tensorplay: cannot tell which model a bucket belongs to", exc_info=True)
+                model = self._single()
+            forget = functools.partial(self._forget, key)
+            known = self._by_buffer[key] = KnownBucket(model, index, last, BucketLayout(buffer), weakref.ref(buffer, forget))
+        return known
+
+    def _forget(self, key: int, dead: weakref.ref) -> None:
+        """A buffer died (its model was freed, or DDP rebuilt its buckets): drop its entry, if still its own.
+
+        Takes no lock: the garbage collector may run this on a thread that holds it. A lost race
+        only drops a newer entry, whose buffer is then placed again (by its parameters) at its next call.
+        """
+        known = self._by_buffer.get(key)
+        if known is not None and known.buffer is dead:
+            self._by_buffer.pop(key, None)
 
     def _place(self, bucket: Any, buffer: Any) -> ModelSteps:
         parameters = bucket.parameters()
@@ -144,7 +194,6 @@ class ModelsOfHook:
                 self._by_parameter[parameter] = [model]
             elif model not in models:
                 models.append(model)
-        self._by_buffer[buffer] = model
         return model
 
     def _single(self) -> ModelSteps:

@@ -195,8 +195,10 @@ class _TracedHook:
             tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
             if metrics is None and not _may_record(tracer):
                 return None
-            buffer = place.buffer if place.buffer is not None else bucket.buffer()
-            called = stamp(buffer.device if buffer.is_cuda else None)
+            layout = place.bucket.layout
+            if layout is None:
+                raise TypeError(f"the bucket {bucket!r} has no buffer to record")
+            called = stamp(layout.device)
             # A shadowing rank's calls are not its own steps: it arrives first and waits for the
             # trainers, which would make them look late (and its wait is no compute either).
             shadowing = probe.in_shadow_phase()
@@ -210,8 +212,8 @@ class _TracedHook:
                 step=place.step,
                 rank=rank,
                 world_size=world_size,
-                bucket_index=place.bucket_index,
-                buffer=buffer,
+                bucket_index=place.bucket.index,
+                layout=layout,
                 sample_error=self._error_every > 0 and place.step % self._error_every == 0,
                 span=OwnedSpan.later(tracer, HOOK_SPAN_NAME, called.unix_ns),
                 metrics=metrics,
@@ -220,17 +222,15 @@ class _TracedHook:
                 model=model.index,
                 called=called,
             )
-            finisher().started()
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
             if tracer is not None and _may_record(tracer):  # the call still gets its span, marked incomplete
-                finisher().started()
                 span = OwnedSpan.later(tracer, HOOK_SPAN_NAME, time.time_ns())
                 finisher().abandoned(span, incomplete="tensorplay could not start recording this hook call")
             return None
         try:
             if metrics is not None:
-                metrics.child(metrics.last_step_timestamp, record.rank_label).set(called.unix_ns / 1e9)
+                metrics.last_hook_call(record.rank_label).unix_s = called.unix_ns / 1e9
         except Exception:
             record.note_failure("last_step_timestamp")
         return record
