@@ -4,23 +4,29 @@ Runs ``tensorplay demo`` one run after another (never two at once): ``--plain`` 
 injected, then ``--injected`` runs with ``--straggler-rank 1 --straggler-delay-ms DELAY`` (about one
 healthy step's length at the default 15 ms). For each run it keeps the verdict line and prints the
 tallies: plain runs that named a rank (false stragglers) and injected runs that named rank 1, with
-each run's highest share and median lateness as the verdict words them. The machine is whatever
-it is: run it on a loaded one to see what contention does.
+each run's highest share and median lateness as the verdict words them. ``--load N`` loads the
+machine the same way every time: a ``tensorplay demo --world-size N`` trains beside the runs for
+as long as they last (N busy processes: on a 2-core machine, 3 of them and the run's 2 ranks share
+the cores); without it the machine is whatever it is.
 
 Run from the repository root::
 
-    python bench/false_stragglers.py --plain 30 --injected 10
+    python bench/false_stragglers.py --plain 30 --injected 10 --load 3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 def _free_base_port(count: int) -> int:
@@ -55,6 +61,26 @@ def _verdict(flags: list[str], steps: int) -> str:
     return lines[0]
 
 
+@contextlib.contextmanager
+def _loaded(world_size: int) -> Iterator[None]:
+    """A ``tensorplay demo`` of ``world_size`` ranks training beside the runs (none for 0)."""
+    if world_size <= 0:
+        yield
+        return
+    # The killed ranks may still be closing their files as the folder goes: not the bench's failure.
+    with tempfile.TemporaryDirectory(prefix="tensorplay-load-", ignore_cleanup_errors=True) as tmp:
+        load = subprocess.Popen(
+            [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size), "--steps", "100000000",
+             "--linger-s", "0", "--metrics-port", str(_free_base_port(world_size)), "--run-dir", str(Path(tmp) / "run")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        try:
+            yield
+        finally:
+            os.killpg(load.pid, signal.SIGKILL)
+            load.wait()
+
+
 def _named(verdict: str) -> int | None:
     found = re.match(r"straggler: rank (\d+) ", verdict)
     return int(found.group(1)) if found else None
@@ -66,8 +92,15 @@ def main() -> int:
     parser.add_argument("--injected", type=int, default=10, help="runs with rank 1 sleeping (default 10)")
     parser.add_argument("--delay-ms", type=float, default=15.0, help="the injected sleep per step (default 15)")
     parser.add_argument("--steps", type=int, default=40, help="steps per run (default 40, the demo's)")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="train a demo of N ranks beside the runs (default 0: no load of the bench's own)")
     args = parser.parse_args()
+    with _loaded(args.load):
+        return _tally(args)
 
+
+def _tally(args: argparse.Namespace) -> int:
+    """Run the plain runs, then the injected ones; print each verdict and the tallies."""
     false_stragglers = failed = 0
     for run in range(args.plain):
         verdict = _verdict([], args.steps)
@@ -80,9 +113,10 @@ def main() -> int:
         failed += verdict.startswith("failed")
         named += _named(verdict) == 1
         print(f"injected {run + 1}/{args.injected}: {verdict}", flush=True)
+    load = f"a {args.load}-rank demo beside them" if args.load else "none of the bench's own"
     print(f"false stragglers: {false_stragglers} of {args.plain} plain runs; "
           f"rank 1 sleeping {args.delay_ms:g} ms per step named in {named} of {args.injected}; "
-          f"{failed} runs failed ({args.steps} steps, 2 ranks)")
+          f"{failed} runs failed ({args.steps} steps, 2 ranks; load: {load})")
     return 0
 
 

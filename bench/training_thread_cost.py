@@ -2,21 +2,26 @@
 
 The training thread is where a hook delays every bucket's launch (and where launch-bound GPU
 jobs feel it most). This bench measures it directly, free of the wall-clock noise of a shared
-machine: one gloo rank trains one model (the model of ``bench/hooks_vs_torch.py``, 25 MB
-buckets) whose registered hook hands each bucket to the untraced hook, to ``traced(hook)`` or to
-``traced(hook, error_every=1)``, one variant per block of steps, the order rotating round by
-round: the same model, the same buffers, the same memory. It reads the training thread's own CPU
-clock (``time.thread_time_ns``) around every hook call and around every step, with metrics on
-and spans recorded by an SDK tracer provider (a batch processor whose exporter drops them), as
-users run it.
+machine: every gloo rank (2 by default) trains one model (the model of ``bench/hooks_vs_torch.py``,
+25 MB buckets) whose registered hook hands each bucket to the untraced hook, to ``traced(hook)``
+or to ``traced(hook, error_every=1)``, one variant per block of steps, the order rotating round by
+round: the same model, the same buffers, the same memory. It reads each training thread's own
+CPU clock (``time.thread_time_ns``) around every hook call and around every step, with metrics
+on and spans recorded by an SDK tracer provider (a batch processor whose exporter drops them),
+as users run it.
 
-Per round and variant: the median over its steps of the thread CPU inside the hook calls and of
-the whole step. Printed per hook and traced variant: the added share of the step, (traced hook
-CPU − untraced hook CPU) / untraced step CPU, median and IQR over rounds; and the same for the
-whole step's training-thread CPU, which also catches work a traced hook left to callbacks that
-happened to run inline on the training thread.
+With two or more ranks a collective is in flight when the hook chains on it, as in any real job,
+and tensorplay's callbacks run on gloo's thread. ``--world-size 1`` is the degenerate case: gloo
+completes a one-rank collective at once, so whether a callback runs inline on the training thread
+(the figure pass of a cast, finishing the record) is a race that load decides.
 
-    python bench/training_thread_cost.py [--rounds 21] [--steps 3] [--hooks allreduce_hook,...]
+Per round, rank and variant: the median over its steps of the thread CPU inside the hook calls
+and of the whole step. Printed per hook and traced variant, over every rank's rounds: the added
+share of the step, (traced hook CPU − untraced hook CPU) / untraced step CPU, median and IQR; and
+the same for the whole step's training-thread CPU, which also catches work a traced hook left to
+callbacks that happened to run inline on the training thread.
+
+    python bench/training_thread_cost.py [--world-size 2] [--rounds 21] [--steps 3] [--hooks allreduce_hook,...]
 """
 
 import argparse
@@ -142,6 +147,43 @@ def _percent(quartiles: tuple[float, float, float]) -> str:
     return f"{100 * median:+7.2f} % ({100 * q1:+.2f} to {100 * q3:+.2f})"
 
 
+def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    """One rank: train every hook's variants; rank 0 prints the table of every rank's rounds."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    enable_metrics(serve=False)
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(_DroppingExporter()))
+    from opentelemetry import trace
+
+    trace.set_tracer_provider(provider)
+    if rank == 0:
+        print(f"{world_size} gloo rank{'s' if world_size > 1 else ''}, {args.layers} x Linear({args.width}, {args.width}), "
+              f"batch {args.batch}, metrics on, spans recorded (SDK, batch processor); {args.rounds} rounds x "
+              f"{args.steps} steps per variant{', every rank' if world_size > 1 else ''}")
+        print(f"{'hook':<40}{'variant':<22}{'untraced step':>14}{'untraced hooks':>15}"
+              f"{'added inside the hook calls (IQR)':>40}{'added to the whole step (IQR)':>38}")
+    for name in args.hooks.split(","):
+        mine = measure(name, args)
+        every: list[dict[str, list[tuple[float, float]]]] = [{} for _ in range(world_size)]
+        dist.all_gather_object(every, mine)
+        if rank != 0:
+            continue
+        results = {variant: [r for ranks in every for r in ranks[variant]] for variant in VARIANTS}
+        base_hook = statistics.median(hook for hook, _ in results[UNTRACED]) / 1e6
+        base_step = statistics.median(step for _, step in results[UNTRACED]) / 1e6
+        for variant in VARIANTS[1:]:
+            inside, whole = shares(results, variant)
+            print(f"{name:<40}{variant:<22}{base_step:>11.1f} ms{base_hook:>12.2f} ms"
+                  f"{_percent(inside):>40}{_percent(whole):>38}", flush=True)
+    if rank == 0:
+        print("share: (traced - untraced) training-thread CPU per step, over the untraced step's training-thread")
+        print("CPU, per round (median of its steps); median and interquartile range over rounds (of every rank).")
+    dist.destroy_process_group()
+    provider.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
@@ -150,41 +192,18 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="gloo ranks (default 2; 1 completes collectives before the hook chains on them)")
     args = parser.parse_args()
-    names = args.hooks.split(",")
-    unknown = sorted(set(names) - set(hooks()))
+    unknown = sorted(set(args.hooks.split(",")) - set(hooks()))
     if unknown:
         sys.exit(f"unknown hooks {unknown}; choose from {sorted(hooks())}")
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from ranks import free_port
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    enable_metrics(serve=False)
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(_DroppingExporter()))
-    from opentelemetry import trace
-
-    trace.set_tracer_provider(provider)
-
-    print(f"1 gloo rank, {args.layers} x Linear({args.width}, {args.width}), batch {args.batch}, "
-          f"metrics on, spans recorded (SDK, batch processor); {args.rounds} rounds x {args.steps} steps per variant")
-    print(f"{'hook':<40}{'variant':<22}{'untraced step':>14}{'untraced hooks':>15}"
-          f"{'added inside the hook calls (IQR)':>40}{'added to the whole step (IQR)':>38}")
-    for name in names:
-        results = measure(name, args)
-        base_hook = statistics.median(hook for hook, _ in results[UNTRACED]) / 1e6
-        base_step = statistics.median(step for _, step in results[UNTRACED]) / 1e6
-        for variant in VARIANTS[1:]:
-            inside, whole = shares(results, variant)
-            print(f"{name:<40}{variant:<22}{base_step:>11.1f} ms{base_hook:>12.2f} ms"
-                  f"{_percent(inside):>40}{_percent(whole):>38}", flush=True)
-    print("share: (traced - untraced) training-thread CPU per step, over the untraced step's training-thread")
-    print("CPU, per round (median of its steps); median and interquartile range over rounds.")
-    dist.destroy_process_group()
-    provider.shutdown()
+    torch.multiprocessing.start_processes(_rank, args=(args.world_size, free_port(), args), nprocs=args.world_size,
+                                          start_method="spawn")
 
 
 if __name__ == "__main__":

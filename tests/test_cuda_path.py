@@ -59,7 +59,7 @@ SLEEP_CYCLES = 20_000_000
 SLEEP_MS_AT_LEAST = 5.0
 EVENT_RESOLUTION_MS = 1e-3  # cudaEventElapsedTime resolves about half a microsecond
 SOAK_STEPS = 1200
-TELEMETRY_THREAD_PREFIX = "tensorplay-"  # the event watcher and the span ender
+TELEMETRY_THREAD_PREFIX = "tensorplay-"  # tensorplay-finisher, the one thread of tensorplay's own
 
 
 @contextlib.contextmanager
@@ -237,8 +237,8 @@ def _counting_syncs() -> Iterator[collections.Counter]:
     Two sources, since neither sees every kind. torch's sync debug mode ("warn") reports implicit
     ones (``.item()``, blocking copies, ``Stream.synchronize``) as warnings from the thread that
     made them; it does not report ``torch.cuda.synchronize`` or ``Event.synchronize``, which are
-    counted by wrapping them. Mode "error" would be process-wide: it would fail the event
-    watcher's reads of figures whose events have completed, which wait for nothing.
+    counted by wrapping them. Mode "error" would be process-wide: it would fail
+    tensorplay-finisher's reads of figures whose events have completed, which wait for nothing.
     """
     counts: collections.Counter = collections.Counter()
 
@@ -342,9 +342,8 @@ def _settled_footprint() -> dict[str, int]:
     """Once the device, the telemetry and NCCL caught up: objects, live records, device bytes."""
     torch.cuda.synchronize()
     assert flush(60), "records still pending"
-    watcher = finisher()
     # The in-flight gauge's last completions.
-    wait_until(lambda: not watcher.waiting(), 30, "the event watcher to have no event left", interval=0.01)
+    wait_until(lambda: not finisher().waiting(), 30, "tensorplay-finisher to have no event left", interval=0.01)
     gc.collect()
     # NCCL's watchdog keeps each completed collective's tensors until its next sweep: wait until
     # two readings 0.3 s apart agree.
@@ -361,7 +360,7 @@ def _settled_footprint() -> dict[str, int]:
         "objects": len(gc.get_objects()),
         "records": traced_cases.live_records(),
         "device bytes": device_bytes,
-        "watcher waiting": watcher.waiting(),
+        "finisher waiting": finisher().waiting(),
     }
 
 
@@ -387,7 +386,7 @@ def test_a_long_run_keeps_records_events_and_device_memory_flat(nccl: None) -> N
     early, late = footprints[300], footprints[SOAK_STEPS]
     # Bounded by how far the host runs ahead of the device, never one per step (1,200).
     assert max(max(pending, waiting) for pending, waiting in in_flight) <= 64, in_flight
-    assert late["watcher waiting"] == 0, late
+    assert late["finisher waiting"] == 0, late
     assert late["records"] <= early["records"] <= 4, footprints
     assert late["objects"] - early["objects"] < 500, footprints
     # Each record's figures are 0-dim device tensors (512 bytes each in the caching allocator):

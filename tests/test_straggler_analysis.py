@@ -2,7 +2,7 @@
 
 The alert's thresholds are read from the rule file's expression (parsed, not matched as text) and
 compared with the module's constants, its ``for:`` with the persistence the verdict asks of a
-rank (late at its median step); the module's figure is checked on per-step waits whose answer is
+rank (late on two steps in three); the module's figure is checked on per-step waits whose answer is
 known from the definition (docs/telemetry.md, "Lateness").
 """
 
@@ -63,16 +63,22 @@ def test_a_few_bad_steps_make_no_straggler_and_most_steps_do() -> None:
     peers_at_burst = [RankWait(r, (0.05,) * 38 + (1.95, 1.95), (0.1,) * 38 + (2.0, 2.0)) for r in (0, 1)]
     (figure,) = [f for f in lateness([*peers_at_burst, bursty]) if f.rank == 2]
     assert figure.share == pytest.approx(0.5) and figure.per_step_s == pytest.approx(0.0975)  # the mean passes
-    assert figure.latest_steps == 2 and figure.median_s == pytest.approx(0.0) and not figure.passes()
+    assert figure.latest_steps == figure.late_steps == 2 and figure.median_s == pytest.approx(0.0)
+    assert not figure.passes()
     verdict = straggler_verdict([*peers_at_burst, bursty])
     assert verdict.ranks == ()
-    assert verdict.evidence.startswith("none (highest: rank 2 costs the job 50 % of every step, the latest on 2 of "
-                                       "40 steps, median 0.0 ms late (mean 97.5 ms)")
+    assert verdict.evidence.startswith("none (highest: rank 2 costs the job 50 % of every step, late on 2 and the "
+                                       "latest on 2 of 40 steps, median 0.0 ms late (mean 97.5 ms)")
     # Rank 2 late by 30 ms on 30 of the 40 steps (on time on the others) is named, and the words say how sure.
     late = RankWait(2, (0.02,) * 30 + (0.05,) * 10, (0.1,) * 40)
     verdict = straggler_verdict([*steady, late])
     assert verdict.ranks == (2,)
-    assert verdict.evidence.endswith("the latest on 30 of 40 steps, median 30.0 ms late (mean 22.5 ms))")
+    assert verdict.evidence.endswith("late on 30 and the latest on 30 of 40 steps, median 30.0 ms late (mean 22.5 ms))")
+    # Late on 26 of 40 (under two steps in three) with the same mean and median: not named.
+    sometimes = RankWait(2, (0.05 - 0.03 * 30 / 26,) * 26 + (0.05,) * 14, (0.1,) * 40)
+    (figure,) = [f for f in lateness([*steady, sometimes]) if f.rank == 2]
+    assert figure.late_steps == 26 and figure.per_step_s == pytest.approx(0.0225) and figure.median_s > 0.01
+    assert straggler_verdict([*steady, sometimes]).ranks == ()
 
 
 def test_the_share_is_the_peers_wait_minus_the_ranks_own_over_the_step() -> None:
