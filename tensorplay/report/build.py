@@ -129,8 +129,9 @@ def _captions(run: Run, plots) -> list[tuple[str, str, str, str]]:
     return [
         ("cost", "What each rank costs the job",
          "Per rank, the share of every step its peers wait for it at the step's last collective (the bar: over the "
-         "steps every rank trained; the dot: its median step). A straggler's bar and dot both reach the dashed "
-         "line (20 %, and 10 ms per step), as the verdict and TensorplayStragglerRank weigh it"
+         "steps every rank trained; the dot: its median step). A straggler's bar reaches the dashed line (20 %, "
+         "and 10 ms per step) and it was that late on two steps in three, as the verdict and "
+         "TensorplayStragglerRank weigh it"
          + _subset(ranks, plots.COST_RANKS, "the highest shares") + ".",
          "No share: it needs two or more ranks with steps every rank trained after the first."),
         ("compute", "Compute time per step, per rank",

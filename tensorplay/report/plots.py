@@ -134,8 +134,8 @@ def cost_figure(summary: ModelSummary) -> Figure | None:
     axes.scatter(medians, positions, color="k", s=16, zorder=3, label="median step", gid="cost-median")
     for position, r, share, median in zip(positions, shown, shares, medians):
         late = r.lateness
-        axes.text(max(share, median), position, f" {share:.0f} %, {1e3 * max(late.per_step_s, 0.0):.1f} ms; latest on "
-                  f"{late.latest_steps}/{late.steps} steps", va="center", fontsize="small")
+        axes.text(max(share, median), position, f" {share:.0f} %, {1e3 * max(late.per_step_s, 0.0):.1f} ms; late on "
+                  f"{late.late_steps}/{late.steps} steps", va="center", fontsize="small")
     axes.axvline(100 * SHARE_THRESHOLD, color="0.3", linestyle="--", linewidth=1,
                  label=f"straggler: {100 * SHARE_THRESHOLD:.0f} % (and {1e3 * MIN_LATENESS_S:g} ms)")
     axes.set_yticks(positions, [f"rank {r.rank}" + (" (straggler)" if r.rank in named else "") for r in shown],
