@@ -77,8 +77,14 @@ def _loaded(world_size: int) -> Iterator[None]:
         try:
             yield
         finally:
-            os.killpg(load.pid, signal.SIGKILL)
-            load.wait()
+            # Ctrl-C, as a user stops a demo: it stops every rank it started (a SIGKILL of the
+            # launcher's group would not reach ranks in sessions of their own).
+            load.send_signal(signal.SIGINT)
+            try:
+                load.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(load.pid, signal.SIGKILL)
+                load.wait()
 
 
 def _named(verdict: str) -> int | None:
