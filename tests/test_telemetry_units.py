@@ -5,6 +5,7 @@ configure_tracing's set-up rules."""
 import os
 import threading
 import time
+import types
 from typing import Any
 
 import pytest
@@ -392,7 +393,7 @@ def test_a_rank_waits_for_one_more_prometheus_scrape_only(monkeypatch: pytest.Mo
         scrape(prometheus=True)
         scrape(prometheus=True)
         # A scrape completes once the server has written its body, just after the client read it.
-        assert _eventually(lambda: server.scrapes.interval_s() is not None)
+        assert _eventually(lambda: server.scrapes.seen() == 2)
         assert wait_for_final_scrape(timeout_s=0.2) is False  # no scrape came in time
         later = threading.Timer(0.3, scrape, kwargs={"prometheus": True})
         later.start()
@@ -400,6 +401,36 @@ def test_a_rank_waits_for_one_more_prometheus_scrape_only(monkeypatch: pytest.Mo
         later.join()
     finally:
         server.close()
+
+
+def test_a_scraper_whose_second_scrape_is_unfinished_still_bounds_the_final_wait_by_its_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a loaded host: Prometheus holds a slow scraper's second scrape before the rank noted it
+    sent, and the fast scraper stalled; the wait is still 1.5 slow intervals and a second, not a
+    minute (issue 25: a job's exit took 60 s with one replica gone)."""
+    from tensorplay.telemetry import server as server_module
+
+    now = [0.0]
+    monkeypatch.setattr(server_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    scrapes = server_module.ScrapeLog()
+
+    def scrape(scraper: tuple[str, ...], at: float, completes: bool = True) -> None:
+        now[0] = at
+        started = scrapes.started(scraper)
+        if completes:
+            scrapes.completed(started)
+
+    fast, slow = ("127.0.0.1", "Prometheus/3", "1"), ("127.0.0.1", "Prometheus/3", "3")
+    for at in (0.0, 1.0, 2.0):
+        scrape(fast, at)
+    scrape(slow, 0.5)
+    scrape(slow, 3.5, completes=False)
+    now[0] = 5.6  # the fast one last started 3.6 s ago: over 2 of its intervals and a second
+    assert scrapes.final_wait_s() == 1.5 * 3 + 1
+    assert scrapes.wait_for_next(timeout_s=0.01) is False  # the slow one is waited for
+    now[0] = 2.0 + 60.1  # a minute on, neither is scraping: nobody to wait for
+    assert scrapes.final_wait_s() is None and scrapes.wait_for_next() is False
 
 
 def _one_rank_exposition(metrics: TensorplayMetrics, hooks: tuple[str, ...]) -> list[str]:

@@ -39,7 +39,6 @@ ADDR_ENV = "TENSORPLAY_METRICS_ADDR"
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ERROR_BUCKETS = (1e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-_FINAL_SCRAPE_MAX_S = 60.0
 JOIN_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
 
 
@@ -320,17 +319,14 @@ def wait_for_final_scrape(timeout_s: float | None = None) -> bool:
     It waits until each scraper still scraping the rank (an HA pair's two replicas, Prometheus
     and an agent: see :class:`~tensorplay.telemetry.server.ScrapeLog`) has completed a scrape
     (one carrying ``X-Prometheus-Scrape-Timeout-Seconds``) that started after the call, at most
-    ``timeout_s`` seconds; by default 1.5 times the longest interval between two scrapes of one
-    scraper plus a second, or a minute when no scraper was seen twice. It returns False when the
-    time ran out (a scraper went away), and at once when nothing is served or Prometheus never
-    scraped this rank: there is nobody to wait for.
+    ``timeout_s`` seconds; by default 1.5 times the longest scrape interval among them plus a
+    second (intervals from when their scrapes started), or a minute for a scraper seen to start
+    one scrape only. It returns False when the time ran out (a scraper went away), and at once
+    when nothing is served or Prometheus never scraped this rank: there is nobody to wait for.
     """
     server = _server
     if server is None or not server.scrapes.seen():
         return False
-    if timeout_s is None:
-        interval = server.scrapes.interval_s()
-        timeout_s = _FINAL_SCRAPE_MAX_S if interval is None else min(1.5 * interval + 1.0, _FINAL_SCRAPE_MAX_S)
     return server.scrapes.wait_for_next(timeout_s)
 
 

@@ -108,22 +108,35 @@ class _IPv6ThreadingServer(_ThreadingServer):
 
 
 class _Scraper:
-    """What one scraper's scrapes of this rank looked like: enough to wait for its next one."""
+    """What one scraper's scrapes of this rank looked like: enough to wait for its next one.
+
+    Its interval is taken from when its scrapes *started*: Prometheus starts them on a fixed
+    schedule, while when one completes depends on how busy this rank is. On a loaded host a
+    scrape can be in Prometheus' database before this rank has noted it complete.
+    """
 
     def __init__(self) -> None:
         self.started = 0
         self.latest_completed = 0
+        self.started_at: list[float] = []  # the last two start times (monotonic)
         self.completed_at: list[float] = []  # the last two completion times (monotonic)
 
     def interval_s(self) -> float | None:
-        return None if len(self.completed_at) < 2 else self.completed_at[1] - self.completed_at[0]
+        return None if len(self.started_at) < 2 else self.started_at[1] - self.started_at[0]
 
     def still_scraping(self, now: float, patience_s: float) -> bool:
-        """Whether it scraped lately: within two of its intervals, or ``patience_s`` if one scrape was seen."""
+        """Whether it scraped lately: started one within two of its intervals, or ``patience_s`` if
+        it started one only; a scraper that never completed a scrape is not waited for."""
         if not self.completed_at:
             return False
         interval = self.interval_s()
-        return now - self.completed_at[-1] <= (patience_s if interval is None else 2 * interval + 1.0)
+        return now - self.started_at[-1] <= (patience_s if interval is None else 2 * interval + 1.0)
+
+    def wait_s(self, patience_s: float) -> float:
+        """How long its next scrape may take to come and complete: 1.5 intervals and a second, at
+        most ``patience_s``."""
+        interval = self.interval_s()
+        return patience_s if interval is None else min(1.5 * interval + 1.0, patience_s)
 
 
 class ScrapeLog:
@@ -138,7 +151,7 @@ class ScrapeLog:
 
     MAX_SCRAPERS = 8
     PATIENCE_S = 60.0
-    """How long a scraper seen once counts as still scraping."""
+    """How long a scraper seen to start one scrape only counts as still scraping; the longest wait."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
@@ -152,6 +165,7 @@ class ScrapeLog:
             while len(self._scrapers) > self.MAX_SCRAPERS:
                 del self._scrapers[next(iter(self._scrapers))]
             found.started += 1
+            found.started_at = [*found.started_at[-1:], time.monotonic()]
             return found, found.started
 
     def completed(self, scrape: tuple[_Scraper, int]) -> None:
@@ -166,24 +180,35 @@ class ScrapeLog:
         with self._changed:
             return max((len(s.completed_at) for s in self._scrapers.values()), default=0)
 
-    def interval_s(self) -> float | None:
-        """The longest interval between two scrapes of one scraper still scraping; None before any."""
-        with self._changed:
-            now = time.monotonic()
-            intervals = [s.interval_s() for s in self._scrapers.values() if s.still_scraping(now, self.PATIENCE_S)]
-            return max((i for i in intervals if i is not None), default=None)
+    def _still_scraping(self) -> list[_Scraper]:
+        now = time.monotonic()
+        return [s for s in self._scrapers.values() if s.still_scraping(now, self.PATIENCE_S)]
 
-    def wait_for_next(self, timeout_s: float) -> bool:
-        """Wait until every scraper still scraping completed a scrape that started after this call.
+    def final_wait_s(self) -> float | None:
+        """The longest :meth:`wait_for_next` waits by default now; None when no scraper is still scraping.
 
-        False when ``timeout_s`` ran out first (one of them went away, or none is scraping).
+        It is the longest of the waits of the scrapers still scraping: 1.5 times a scraper's
+        interval plus a second, or ``PATIENCE_S`` for one seen to start a single scrape (and
+        never more).
         """
         with self._changed:
-            now = time.monotonic()
-            waited_for = [(s, s.started) for s in self._scrapers.values() if s.still_scraping(now, self.PATIENCE_S)]
+            return max((s.wait_s(self.PATIENCE_S) for s in self._still_scraping()), default=None)
+
+    def wait_for_next(self, timeout_s: float | None = None) -> bool:
+        """Wait until every scraper still scraping completed a scrape that started after this call.
+
+        At most ``timeout_s``, by default :meth:`final_wait_s` (both read from one look at the
+        scrapers). False when the time ran out first (one of them went away), or at once when
+        none is scraping.
+        """
+        with self._changed:
+            waited_for = self._still_scraping()
             if not waited_for:
                 return False
-            return self._changed.wait_for(lambda: all(s.latest_completed > after for s, after in waited_for), timeout_s)
+            if timeout_s is None:
+                timeout_s = max(s.wait_s(self.PATIENCE_S) for s in waited_for)
+            after = [(s, s.started) for s in waited_for]
+            return self._changed.wait_for(lambda: all(s.latest_completed > n for s, n in after), timeout_s)
 
 
 def _only_metrics(app: Callable, scrapes: ScrapeLog) -> Callable:
