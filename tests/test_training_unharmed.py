@@ -42,50 +42,102 @@ from .sink import CountingExporter, memory_sink
 from .traced_cases import live_records
 from .training import BUCKET_CAP_MB, make_model, rank_batch, train
 
-PAUSE_S = 0.3  # backward sleeps this long between the buckets of the PowerSGD scenario
 SOAK_STEPS = 2000
 
 
 # --- PowerSGD: latency of this bucket only ------------------------------------------------------
 
+HELD_AT_MOST_S = 30.0
+"""How long the pause holds the training thread for the buckets already called (a bound, not a figure)."""
 
-class _PauseInBackward(torch.autograd.Function):
-    """Identity forward; its backward sleeps, as a slow layer between two buckets would."""
+
+class _Calls:
+    """The traced hook's calls in the current backward, and how the pause between them went."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.this_backward: list[tuple[int, float, torch.futures.Future]] = []  # bucket index, called, future
+        self.held: dict[int, dict] = {}  # per step: the buckets called before the hold, its release
+
+    def new_backward(self, step: int) -> None:
+        self.step = step
+        self.this_backward = []
+
+
+class _HoldInBackward(torch.autograd.Function):
+    """Identity forward; its backward holds the training thread, as a slow layer between two buckets
+    does, until every bucket called before it completed (at most ``HELD_AT_MOST_S``)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, calls: _Calls) -> torch.Tensor:
+        ctx.calls = calls
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        time.sleep(PAUSE_S)
-        return grad
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        calls: _Calls = ctx.calls
+        before = list(calls.this_backward)
+        done = [threading.Event() for _ in before]
+        for (_, _, future), event in zip(before, done):
+            future.add_done_callback(lambda _, event=event: event.set())
+        deadline = time.monotonic() + HELD_AT_MOST_S
+        completed = all(event.wait(max(0.0, deadline - time.monotonic())) for event in done)
+        calls.held[calls.step] = {"called": {index: called for index, called, _ in before},
+                                  "completed": completed, "released": time.monotonic()}
+        return grad, None
 
 
-class _Paused(nn.Module):
+class _Held(nn.Module):
+    def __init__(self, calls: _Calls) -> None:
+        super().__init__()
+        self.calls = calls
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _PauseInBackward.apply(x)
+        return _HoldInBackward.apply(x, self.calls)
 
 
 def powersgd_latency(rank: int) -> dict:
+    """PowerSGD's second round runs from the first round's completion, not from the next hook call.
+
+    The backward holds the training thread between two buckets until the buckets already called
+    completed. Had the traced hook's second round waited for the training thread, they could not
+    complete, and the hold would end at its bound instead; a bucket's latency (launch of its first
+    collective to completion of its last) then fits between its call and the hold's release.
+    """
     sink = memory_sink()
+    calls = _Calls()
     layers = list(make_model())
-    model = DDP(nn.Sequential(*layers[:3], _Paused(), *layers[3:]), bucket_cap_mb=BUCKET_CAP_MB)
+    model = DDP(nn.Sequential(*layers[:3], _Held(calls), *layers[3:]), bucket_cap_mb=BUCKET_CAP_MB)
     state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
-    model.register_comm_hook(state, traced(powerSGD_hook, tracer_provider=sink.provider))
+    hook = traced(powerSGD_hook, tracer_provider=sink.provider)
+
+    def noting_calls(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        called = time.monotonic()
+        future = hook(state, bucket)
+        calls.this_backward.append((bucket.index(), called, future))
+        return future
+
+    model.register_comm_hook(state, noting_calls)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(4):
         optimizer.zero_grad()
+        calls.new_backward(step)
         model(rank_batch(rank, step)).square().mean().backward()
         optimizer.step()
     assert flush(30)
-    spans = sink.spans(None)
-    compressing = [s for s in spans if s[Attr.STEP] >= 2]
+    compressing = [s for s in sink.spans() if s[Attr.STEP] >= 2]
+    held_buckets = []  # latency, and the most it can be had the bucket completed within the hold
+    for span in compressing:
+        hold = calls.held[span[Attr.STEP]]
+        called = hold["called"].get(span[Attr.BUCKET_INDEX])
+        if called is not None:
+            held_buckets.append((span[Attr.ALLREDUCE_LATENCY_MS] / 1e3, hold["released"] - called))
     return {
         "compressing spans": len(compressing),
         "collectives per bucket": sorted({s[Attr.ALLREDUCE_COUNT] for s in compressing}),
-        "max latency s": max(s[Attr.ALLREDUCE_LATENCY_MS] for s in compressing) / 1e3,
         "buckets": len({s[Attr.BUCKET_INDEX] for s in compressing}),
+        "holds": [(len(calls.held[step]["called"]), calls.held[step]["completed"]) for step in (2, 3)],
+        "held buckets (latency s, call to release s)": held_buckets,
     }
 
 
@@ -381,9 +433,10 @@ def test_powersgd_latency_times_only_the_buckets_own_collectives(outcomes: list[
         result = outcome["powersgd"]
         assert result["buckets"] >= 3 and result["compressing spans"] == 2 * result["buckets"]
         assert result["collectives per bucket"] in ([2], [3], [2, 3])
-        # The bucket before the pause would include the pause if its second round waited for
-        # the next hook call.
-        assert result["max latency s"] < PAUSE_S / 2, result
+        assert result["holds"] and all(before >= 1 and completed for before, completed in result["holds"]), result
+        held = result["held buckets (latency s, call to release s)"]
+        assert len(held) == sum(before for before, _ in result["holds"]), result
+        assert all(latency <= most for latency, most in held), result
 
 
 def test_an_exporter_that_never_answers_does_not_hold_training(outcomes: list[dict]) -> None:
