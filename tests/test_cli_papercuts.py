@@ -160,3 +160,18 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_empty_log(tmp_path: Path) ->
     assert process.returncode == 1, stderr
     assert re.search(r"^tensorplay demo: rank 0 was killed by SIGKILL \(exit code -9\), .*out-of-memory killer.*; "
                      r"its log \S+/stderr\.log is empty$", stderr, re.MULTILINE), stderr
+
+
+def test_a_demo_whose_collector_never_answered_does_not_say_its_spans_were_exported(tmp_path: Path) -> None:
+    """Nothing listens at the OTLP endpoint: the demo trains and reports, and its last words say the
+    spans did not reach the collector, with the ranks' count of failed exports (it used to say they
+    were exported whatever happened)."""
+    endpoint = f"http://127.0.0.1:{free_base_port(1)}"
+    result = subprocess.run([*DEMO, "--world-size", "2", "--steps", "2", "--otlp-endpoint", endpoint,
+                             "--metrics-port", str(free_base_port(2)), "--run-dir", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_environment())
+    assert result.returncode == 0, result.stderr
+    assert "were also exported" not in result.stdout
+    said = re.search(rf"^spans did not all reach {re.escape(endpoint)} over OTLP: (\d+) exports failed on ranks 0, 1; "
+                     r"the rank logs in \S+ say why$", result.stdout, re.MULTILINE)
+    assert said and int(said[1]) >= 2, result.stdout

@@ -79,6 +79,24 @@ def demo_command(args: argparse.Namespace, html_report: Callable[[Path], str]) -
     print(run_dir.report.read_text(encoding="utf-8"), end="")
     print(f"rank logs: {run_dir.logs}")
     if args.otlp_endpoint:
-        print(f"spans were also exported over OTLP to {args.otlp_endpoint}")
+        print(_otlp_outcome(args.otlp_endpoint, run_dir))
     print(html_report(run_dir.path))
     return 0
+
+
+def _otlp_outcome(endpoint: str, run_dir: RunDir) -> str:
+    """Whether the spans reached ``endpoint``, as the ranks' own count of failed exports says.
+
+    Each rank counts its failed exports (``tensorplay_telemetry_errors_total{reason="span_export_failed"}``)
+    and leaves the count in its result once its spans of training are flushed.
+    """
+    failed: dict[int, int] = {}
+    for rank, result in run_dir.results().items():
+        if result.get("span_exports_failed"):
+            failed[rank] = int(result["span_exports_failed"])
+    if not failed:
+        return f"spans were also exported over OTLP to {endpoint}"
+    ranks = ", ".join(str(rank) for rank in sorted(failed))
+    count = sum(failed.values())
+    return (f"spans did not all reach {endpoint} over OTLP: {count} export{'s' if count > 1 else ''} failed "
+            f"on rank{'s' if len(failed) > 1 else ''} {ranks}; the rank logs in {run_dir.logs} say why")

@@ -40,6 +40,15 @@ class RunDir:
         """Where rank ``rank`` leaves what it measured once training ended."""
         return self.path / f"result-rank{rank}.json"
 
+    def results(self) -> dict[int, dict[str, Any]]:
+        """Every result in the directory, by rank (this node's ranks, or every node's in a shared one)."""
+        found: dict[int, dict[str, Any]] = {}
+        for path in sorted(self.path.glob("result-rank*.json")):
+            result = read_json(path)
+            if isinstance(result, dict) and isinstance(result.get("rank"), int):
+                found[result["rank"]] = result
+        return found
+
     def spans(self, rank: int) -> Path:
         """The JSON-lines file rank ``rank`` exports its spans to."""
         return self.path / f"spans-rank{rank}.jsonl"

@@ -96,12 +96,13 @@ def _env_int(name: str) -> int:
 
 
 def _metrics_figures(metrics: TensorplayMetrics, rank: int) -> dict[str, float | None]:
-    """This rank's compute time so far, as tensorplay's metric holds it."""
+    """This rank's compute time so far, and how many of its span exports failed, as tensorplay's metrics hold them."""
     labels = {"rank": str(rank)}
     sample = metrics.registry.get_sample_value
     return {
         "compute_seconds_sum": sample(f"{Metric.STEP_COMPUTE}_sum", labels),
         "compute_seconds_count": sample(f"{Metric.STEP_COMPUTE}_count", labels),
+        "span_exports_failed": sample(f"{Metric.TELEMETRY_ERRORS}_total", {**labels, "reason": "span_export_failed"}) or 0.0,
     }
 
 
