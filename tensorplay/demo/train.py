@@ -102,7 +102,8 @@ def _metrics_figures(metrics: TensorplayMetrics, rank: int) -> dict[str, float |
     return {
         "compute_seconds_sum": sample(f"{Metric.STEP_COMPUTE}_sum", labels),
         "compute_seconds_count": sample(f"{Metric.STEP_COMPUTE}_count", labels),
-        "span_exports_failed": sample(f"{Metric.TELEMETRY_ERRORS}_total", {**labels, "reason": "span_export_failed"}) or 0.0,
+        "span_exports_failed":
+            sample(f"{Metric.TELEMETRY_ERRORS}_total", {**labels, "reason": "span_export_failed"}) or 0.0,
     }
 
 

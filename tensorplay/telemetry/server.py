@@ -192,7 +192,11 @@ class ScrapeLog:
         never more).
         """
         with self._changed:
-            return max((s.wait_s(self.PATIENCE_S) for s in self._still_scraping()), default=None)
+            scrapers = self._still_scraping()
+            return self._longest_wait_s(scrapers) if scrapers else None
+
+    def _longest_wait_s(self, scrapers: list[_Scraper]) -> float:
+        return max(s.wait_s(self.PATIENCE_S) for s in scrapers)
 
     def wait_for_next(self, timeout_s: float | None = None) -> bool:
         """Wait until every scraper still scraping completed a scrape that started after this call.
@@ -206,7 +210,7 @@ class ScrapeLog:
             if not waited_for:
                 return False
             if timeout_s is None:
-                timeout_s = max(s.wait_s(self.PATIENCE_S) for s in waited_for)
+                timeout_s = self._longest_wait_s(waited_for)
             after = [(s, s.started) for s in waited_for]
             return self._changed.wait_for(lambda: all(s.latest_completed > n for s, n in after), timeout_s)
 
