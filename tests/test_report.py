@@ -28,6 +28,7 @@ from tensorplay.analysis.straggler import SHARE_THRESHOLD
 from tensorplay.analysis.summary import ModelSummary, summarize
 from tensorplay.cli import main
 from tensorplay.demo.rundir import RunDir
+from tensorplay.demo.table import RankFacts, render
 from tensorplay.report import build_report
 from tensorplay.report.build import ModelReport, Report
 from tensorplay.report.cli import demo_report_line
@@ -345,6 +346,43 @@ def _rewrite(path: Path, change: dict[int, Callable[[dict], None]]) -> None:
         apply(span)
         lines[index] = json.dumps(span)
     path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_rank_without_spans_is_named_and_the_verdict_says_it_cannot_judge_it(
+        three_ranks_uneven_straggler: Demo, tmp_path: Path, capsys) -> None:
+    """The straggler's file is missing (a rank killed before its last export, a node's file not
+    copied): the report used to say `straggler: none` for "2 ranks", exit 0."""
+    demo = three_ranks_uneven_straggler
+    copy = _copy_spans(demo, tmp_path, [0, 1])
+    code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
+    missing = ("no spans of rank 2 of the 3 the spans say (tensorplay.world_size): killed before it exported, or a "
+               "file not copied here? Missing from the figures, and the straggler verdict cannot judge it")
+    assert code == 2 and err == f"tensorplay report: {missing}\n", err
+    verdict = out.splitlines()[0]
+    assert verdict.startswith("straggler: rank 2 of 3 cannot be judged (no spans of it were read); of the other 2: "), out
+    page = (tmp_path / "page.html").read_text()
+    assert html.escape(missing) in page and " · 2 of 3 ranks · " in page
+    assert f'<section class="verdict unjudged" id="verdict"><strong>straggler:</strong> {html.escape(verdict[11:])}' in page
+    assert page.count("<img ") == 6  # every figure, of the two ranks read
+    # The demo's table says it too: the same derivation, rendered with what the demo injected.
+    (summary,) = summarize(read_spans(tmp_path))
+    facts = [RankFacts(rank, "sleeps 40 ms per step" if rank == 2 else None, None) for rank in range(3)]
+    text = render(summary, facts, "fp16_compress_hook", RunDir(tmp_path)).splitlines()
+    assert f"straggler: {summary.verdict.evidence}" == verdict and f"spans: {missing}" in text
+    assert "injected: rank 2 sleeps 40 ms per step (cannot be judged: no spans of it)" in text
+
+    # Spans that disagree on the world size (a few lines of rank 1 say 4) are named, file by file.
+    def says_four(span: dict) -> None:
+        span["attributes"][Attr.WORLD_SIZE] = span["resource"]["attributes"][Attr.WORLD_SIZE] = 4
+
+    _rewrite(copy.spans(1), {index: says_four for index in (3, 4, 5)})
+    lines = [len(copy.spans(rank).read_text().splitlines()) for rank in (0, 1)]
+    code, _, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
+    assert code == 2 and err.splitlines() == [
+        f"tensorplay report: {missing}",
+        f"tensorplay report: the spans disagree on the job's world size: 3 (spans-rank0.jsonl, spans-rank1.jsonl: "
+        f"{sum(lines) - 3} spans), 4 (spans-rank1.jsonl: 3 spans): files of more than one job, or a damaged line? "
+        f"Ranks are judged against 3, which most spans say"], err
 
 
 def test_a_damaged_line_is_skipped_and_counted_never_allocated_by(
