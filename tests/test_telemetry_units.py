@@ -480,6 +480,34 @@ def test_an_applications_own_metrics_keep_their_created_series() -> None:
         TensorplayMetrics(shared)  # registering twice is still refused, as prometheus_client does
 
 
+def test_disabling_metrics_takes_them_out_of_the_applications_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The application serves its own registry; tensorplay's families leave it when metrics are
+    turned off (they used to stay, served frozen, and enabling again raised Duplicated timeseries)."""
+    from prometheus_client import Counter, generate_latest
+
+    from tensorplay.telemetry import active_metrics, disable_metrics, enable_metrics, metrics as metrics_module
+
+    monkeypatch.delenv("TENSORPLAY_METRICS_PORT", raising=False)
+    disable_metrics()
+    shared = CollectorRegistry()
+    Counter("app_batches", "the application's own counter", registry=shared).inc()
+    try:
+        enable_metrics(registry=shared, serve=False).joins.labels(rank="0").inc()
+        assert shared.get_sample_value("tensorplay_joins_total", {"rank": "0"}) == 1
+        disable_metrics()
+        served = generate_latest(shared).decode()
+        assert "tensorplay_" not in served and "app_batches_total 1.0" in served
+        monkeypatch.setattr(metrics_module, "_env_checked", True)  # off stays off: no environment to read
+        assert active_metrics() is None
+        again = enable_metrics(registry=shared, serve=False)  # no Duplicated timeseries
+        assert shared.get_sample_value("tensorplay_joins_total", {"rank": "0"}) is None  # fresh counts
+        again.joins.labels(rank="0").inc()
+        assert shared.get_sample_value("tensorplay_joins_total", {"rank": "0"}) == 1
+    finally:
+        disable_metrics()
+    assert "tensorplay_" not in generate_latest(shared).decode()
+
+
 # --- a slow span processor, told apart from a busy machine ---------------------------------------
 
 

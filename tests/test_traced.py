@@ -263,6 +263,15 @@ def test_traced_rejects_bad_arguments() -> None:
         traced("allreduce")
     with pytest.raises(ValueError, match="error_every must be >= 0"):
         traced(default_hooks.allreduce_hook, error_every=-1)
+    # A registry where the metrics go is the likely slip: it used to be taken, then every bucket
+    # warned with a traceback and recorded nothing.
+    for wrong in (CollectorRegistry(), "metrics"):
+        with pytest.raises(TypeError) as refused:
+            traced(default_hooks.allreduce_hook, metrics=wrong)  # type: ignore[arg-type]
+        assert str(refused.value) == (
+            "traced: metrics must be a TensorplayMetrics (TensorplayMetrics(registry) for a registry of your own), "
+            f"or None for the process's metrics; got {type(wrong).__name__}")
+    assert traced(default_hooks.allreduce_hook, metrics=TensorplayMetrics(CollectorRegistry())) is not None
 
 
 def test_traced_powersgd_reports_its_residual_and_keeps_gradients() -> None:

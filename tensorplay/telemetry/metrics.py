@@ -289,11 +289,18 @@ def _warn_not_served(problem: str, metrics: TensorplayMetrics, reason: str) -> N
 
 
 def disable_metrics() -> None:
-    """Turn metrics off and stop serving them."""
+    """Turn metrics off: stop serving them and take tensorplay's families out of their registry.
+
+    Where that registry is the application's own (``enable_metrics(registry=prometheus_client.REGISTRY,
+    serve=False)``), its endpoint then no longer serves tensorplay's last values, frozen, and
+    :func:`enable_metrics` may register fresh families there again.
+    """
     global _active, _server
     with _lock:
         if _server is not None:
             _server.close()
+        if _active is not None:
+            _active.withdraw()
         _active = None
         _server = None
 

@@ -62,8 +62,9 @@ def traced(
         error_every: sample the compression error every this many steps; 1 takes it on
             every step (full fidelity), 0 never. Default: ``TENSORPLAY_ERROR_EVERY`` (a whole
             number; unset or empty means the default), else 25.
-        metrics: where to record metrics (tests pass ``TensorplayMetrics(CollectorRegistry())``).
-            Default: the process's metrics once :func:`~tensorplay.telemetry.enable_metrics` ran.
+        metrics: where to record metrics, a :class:`~tensorplay.telemetry.TensorplayMetrics` (tests
+            pass ``TensorplayMetrics(CollectorRegistry())``); anything else is refused with a
+            ``TypeError``. Default: the process's metrics once :func:`~tensorplay.telemetry.enable_metrics` ran.
         tracer_provider: default: OpenTelemetry's global provider.
 
     The traced hook pickles (``torch.multiprocessing.spawn``, Lightning's ``start_method="spawn"``)
@@ -93,6 +94,10 @@ def traced(
         raise TypeError(f"traced: error_every must be a whole number of steps, got {error_every!r}") from None
     if error_every < 0:
         raise ValueError(f"traced: error_every must be >= 0 (0 turns the error off), got {error_every}")
+    if metrics is not None and not isinstance(metrics, TensorplayMetrics):
+        # Refused here, once: accepted, it would fail at every bucket, warn and record nothing.
+        raise TypeError(f"traced: metrics must be a TensorplayMetrics (TensorplayMetrics(registry) for a registry of "
+                        f"your own), or None for the process's metrics; got {type(metrics).__name__}")
     return _TracedHook(hook, probe.hook_name(hook), error_every, metrics, tracer_provider)
 
 
