@@ -632,3 +632,47 @@ def test_a_buffer_is_known_only_while_it_lives_and_never_by_a_reused_id() -> Non
     models._by_buffer[id(stranger)] = stale  # as if ``stranger`` had reused a dead buffer's id
     place = models.enter(_Bucket(stranger, [torch.zeros(2)], index=0))
     assert place.bucket is not stale and place.bucket.layout.numel == 8 and place.model is not first.model
+
+
+def _model_of_each_call(models: Any, calls: list[tuple[Any, "_Bucket"]]) -> list[int]:
+    """Enter each bucket on its thread (an executor of one thread), in this order; the model of each call."""
+    return [executor.submit(lambda b=bucket: models.enter(b).model.index).result() for executor, bucket in calls]
+
+
+def test_two_models_in_their_first_iteration_on_two_threads_keep_their_buckets() -> None:
+    """Two threads each train a model; the second model's bucket 1 comes while the first model also
+    expects its bucket 1 (its thread is between buckets 0 and 1): it is the second model's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensorplay.telemetry.model_identity import ModelsOfHook
+
+    def buckets() -> list[_Bucket]:
+        return [_Bucket(torch.zeros(4), [torch.zeros(2)], index=i, last=i == 2) for i in range(3)]
+
+    a, b = buckets(), buckets()
+    with ThreadPoolExecutor(1) as first, ThreadPoolExecutor(1) as second:
+        order = [(first, a[0]), (second, b[0]), (second, b[1]), (first, a[1]), (second, b[2]), (first, a[2])]
+        models = ModelsOfHook()
+        placed = _model_of_each_call(models, order)
+        again = _model_of_each_call(models, order)  # the next iteration: known buffers
+    assert placed == again == [0, 1, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("first_to_rebuild", [0, 1])
+def test_a_rebuilt_bucket_of_shared_parameters_stays_with_its_model(first_to_rebuild: int) -> None:
+    """Two models share a layer; after DDP's rebuild, bucket 0 of each holds only that layer's
+    parameters, which both models reduced: each rebuilt bucket stays with its own model."""
+    from tensorplay.telemetry.model_identity import ModelsOfHook
+
+    models = ModelsOfHook()
+    shared = torch.zeros(2)
+    own = [torch.zeros(2), torch.zeros(2)]
+    first_iteration = [_Bucket(torch.zeros(4), [own[m], shared]) for m in range(2)]  # one bucket each
+    assert [models.enter(bucket).model.index for bucket in first_iteration] == [0, 1]
+    placed: dict[int, list[int]] = {}
+    rebuilt: dict[int, list[_Bucket]] = {}  # the models' new buffers live on (DDP holds them)
+    for m in (first_to_rebuild, 1 - first_to_rebuild):
+        first_iteration[m] = None  # type: ignore[call-overload]  # the rebuild frees the old buffer
+        rebuilt[m] = [_Bucket(torch.zeros(2), [shared], index=0, last=False), _Bucket(torch.zeros(2), [own[m]], index=1)]
+        placed[m] = [models.enter(bucket).model.index for bucket in (*rebuilt[m], *rebuilt[m])]
+    assert placed == {0: [0, 0, 0, 0], 1: [1, 1, 1, 1]}
