@@ -1,8 +1,10 @@
 """The compression figures: relative L2 error and non-finite elements created by compression.
 
 Each figure is computed in exactly one place, here. On CPU the figures are plain numbers; on
-CUDA they stay 0-dim device tensors (no synchronization on the hot path) that the finisher
-turns into numbers later with :func:`to_number`.
+CUDA they are 0-dim device tensors (no synchronization on the hot path), copied by
+:func:`to_host` into pinned host memory on the stream that computed them, which the finisher
+reads with :func:`to_number` once an event recorded after the copy has happened: it never waits
+for a stream (a hung collective would hold it for good).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import math
 
 import torch
 
-__all__ = ["compression_figures", "cast_figures", "same_dtype_figures", "all_finite", "to_number", "error_value"]
+__all__ = [
+    "compression_figures", "cast_figures", "same_dtype_figures", "all_finite", "to_host", "to_number", "error_value",
+]
 
 # Elements per slice of the CPU error pass: a 1 MiB float32 scratch slice stays in cache, and a
 # 25 MB bucket takes 25 slices of three calls each (2^16 took 100: 24 % slower per bucket,
@@ -195,9 +199,28 @@ def _nonfinite_count(tensor: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(tensor)).sum()
 
 
+def to_host(figure: Figure | None) -> Figure | None:
+    """A CUDA figure's copy in pinned host memory, enqueued on the current stream; any other figure as it is.
+
+    Nothing waits: a non-blocking copy to the host lands in pinned memory that torch allocates
+    for it, and is read only once an event recorded after it on that same stream (the one that
+    computed the figure) has happened.
+    """
+    if not isinstance(figure, torch.Tensor) or not figure.is_cuda:
+        return figure
+    return figure.to("cpu", non_blocking=True)
+
+
 def to_number(figure: Figure) -> float | int:
-    """Resolve a figure to a Python number (on CUDA: once its stage's ready stamp has happened)."""
-    return figure.item() if isinstance(figure, torch.Tensor) else figure
+    """A figure as a Python number, read from host memory (a CUDA figure: its :func:`to_host` copy, once copied).
+
+    A figure still on the device is refused: reading it would wait for its stream.
+    """
+    if not isinstance(figure, torch.Tensor):
+        return figure
+    if figure.is_cuda:
+        raise ValueError("tensorplay: a CUDA figure must be read from its host copy (to_host), not the device")
+    return figure.item()
 
 
 def error_value(figure: Figure | None) -> float | None:

@@ -51,7 +51,8 @@ class CompressionStage:
     input_nonfinite: figures.Figure
     """Elements already non-finite in what this stage compressed."""
     ready: Stamp | None = None
-    """On CUDA, reached once the figures (computed on whatever stream was current) are written."""
+    """On CUDA, reached once the figures' host copies are written: recorded after the copies, on the
+    stream that computed the figures and copied them."""
 
 
 @dataclass
@@ -66,6 +67,16 @@ class _PendingCast:
     original: torch.Tensor
     approximation: torch.Tensor
     scale: float
+
+
+def _stage(
+    kind: str, error: figures.Figure | None, nonfinite: figures.Figure, input_nonfinite: figures.Figure, like: torch.Tensor
+) -> CompressionStage:
+    """A compression stage with its figures; on CUDA their host copies, ready once a stamp after the copies happened."""
+    if not like.is_cuda:
+        return CompressionStage(kind, error, nonfinite, input_nonfinite)
+    copies = [figures.to_host(figure) for figure in (error, nonfinite, input_nonfinite)]
+    return CompressionStage(kind, *copies, ready=stamp(like.device))  # type: ignore[arg-type]
 
 
 class CollectiveEnds:
@@ -202,6 +213,7 @@ class BucketRecord:
             future.add_done_callback(functools.partial(self._collective_done, token))
         except Exception:
             self.note_failure("collective_launched")
+            self.ends.stamps[token] = stamp(self.device)  # never seen done otherwise: a record must not wait for it
         if token not in self._proven_by:
             return future
         try:
@@ -247,8 +259,7 @@ class BucketRecord:
                 # overwrites with the sum over ranks. Count what it holds now, before that.
                 with torch.no_grad():
                     error, nonfinite, input_nonfinite = figures.same_dtype_figures(original, self.sample_error)
-                ready = stamp(original.device) if original.is_cuda else None
-                self.stages.append(CompressionStage(kind, error, nonfinite, input_nonfinite, ready))
+                self.stages.append(_stage(kind, error, nonfinite, input_nonfinite, original))
                 return
             if recomputable and approximation is not None and residual is None and not original.is_cuda:
                 # Nothing on the launch path: the figures come once the collective has reduced it.
@@ -260,8 +271,7 @@ class BucketRecord:
                 error, nonfinite, input_nonfinite = figures.compression_figures(
                     original, approximation, scale, residual, with_error=self.sample_error
                 )
-            ready = stamp(original.device) if original.is_cuda else None
-            self.stages.append(CompressionStage(kind, error, nonfinite, input_nonfinite, ready))
+            self.stages.append(_stage(kind, error, nonfinite, input_nonfinite, original))
         except Exception:
             self.note_failure("compression")
 
