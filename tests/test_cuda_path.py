@@ -492,6 +492,7 @@ def _on_two_ranks_sharing_one_gpu(rank: int, world_size: int) -> dict:
             "default hooks": parity_cases.compare_default_hooks(rank, world_size),
             "powersgd": parity_cases.compare_powersgd(rank, world_size, False),
             "spans": traced_cases.spans_and_metrics(rank, world_size),
+            "powersgd poisoned": traced_cases.powersgd_poisoned_on_rank_0(rank, world_size),
         }
     outcome["timings"] = [
         *_span_timings(rank, default_hooks.allreduce_hook),
@@ -527,3 +528,8 @@ def test_latency_of_real_communication_is_positive_and_within_its_span(gloo_cuda
     for outcome in gloo_cuda:
         assert outcome["timings"] and all(latency > 0 for latency, _ in outcome["timings"]), outcome["timings"]
         _assert_within_spans(outcome["timings"])
+
+
+@pytest.mark.parametrize("case", traced_cases.POWERSGD_CASES)
+def test_powersgd_counts_each_ranks_own_nonfinite_elements_on_cuda(gloo_cuda: list[dict], case: tuple[bool, int]) -> None:
+    traced_cases.check_powersgd_poisoned([outcome["powersgd poisoned"] for outcome in gloo_cuda], case)
