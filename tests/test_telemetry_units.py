@@ -460,9 +460,11 @@ def test_a_full_queue_drops_spans_never_a_cuda_records_metrics_or_its_collective
     assert observed_while_hanging >= calls - (4 + 1), observed_while_hanging
 
 
-def test_a_hook_that_raises_after_launching_leaves_no_collective_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA (events of a fake device), a hook launches a collective, then raises: the collective
-    leaves the in-flight gauge once its event happened, and the span carries the error."""
+@pytest.mark.parametrize("on_cuda", [True, False], ids=["cuda (fake device)", "cpu"])
+def test_a_hook_that_raises_after_launching_leaves_no_collective_in_flight(monkeypatch: pytest.MonkeyPatch, on_cuda: bool) -> None:
+    """A hook launches a collective, then raises. On CUDA (events of a fake device) its future
+    completed at enqueue; on CPU it completes later. Either way the collective stays in flight until
+    it is done, then leaves the gauge; the record is finished and its span carries the error."""
     import importlib
 
     import torch.distributed as dist
@@ -477,29 +479,35 @@ def test_a_hook_that_raises_after_launching_leaves_no_collective_in_flight(monke
             self.device = torch.device("cuda")
 
     device = FakeDevice()
-    monkeypatch.setattr(recorder_module, "stamp", device.stamp)
-    monkeypatch.setattr(traced_module, "stamp", device.stamp)
-    monkeypatch.setattr(model_identity, "BucketLayout", CudaLayout)
+    if on_cuda:
+        monkeypatch.setattr(recorder_module, "stamp", device.stamp)
+        monkeypatch.setattr(traced_module, "stamp", device.stamp)
+        monkeypatch.setattr(model_identity, "BucketLayout", CudaLayout)
     monkeypatch.setattr(
         traced_module, "dist", types.SimpleNamespace(get_rank=lambda: 0, get_world_size=lambda: 1, ProcessGroup=dist.ProcessGroup)
     )
     monkeypatch.setattr(finish, "_finisher", Finisher())
+    launched: torch.futures.Future = torch.futures.Future()
 
     def launching_then_failing(state: Any, bucket: Any) -> torch.futures.Future:
         recorder = probe.current_recorder()
-        token = recorder.collective_launching(bucket.buffer())
-        launched: torch.futures.Future = torch.futures.Future()
-        launched.set_result([bucket.buffer()])  # NCCL: complete at enqueue
-        recorder.collective_launched(token, launched)
+        recorder.collective_launched(recorder.collective_launching(bucket.buffer()), launched)
+        if on_cuda:
+            launched.set_result([bucket.buffer()])  # NCCL: complete at enqueue
         raise RuntimeError("the hook failed after launching")
 
     probe.describe_hook(launching_then_failing, "launching_then_failing")
     sink = memory_sink()
     hook = sink.traced(launching_then_failing)
+    bucket = _Bucket(torch.zeros(4), [torch.zeros(2)])
     with pytest.raises(RuntimeError, match="failed after launching"):
-        hook(None, _Bucket(torch.zeros(4), [torch.zeros(2)]))
-    assert sink.metrics.collectives_in_flight.in_flight("0") == 1  # the device has not run it yet
-    device.run()
+        hook(None, bucket)
+    assert not finish.finisher().flush(0.05)
+    assert sink.metrics.collectives_in_flight.in_flight("0") == 1  # not done yet
+    if on_cuda:
+        device.run()
+    else:
+        launched.set_result([bucket.buffer()])
     assert finish.finisher().flush(10)
     assert sink.metrics.collectives_in_flight.in_flight("0") == 0
     (span,) = sink.finished()

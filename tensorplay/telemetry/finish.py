@@ -21,9 +21,10 @@ processor stuck in ``end()``), the thread that hands one over finishes those alr
 
 Every traced call is pending from the moment its record is handed over (its hook's future
 completed, or the hook raised) until its span has ended (or was dropped); :func:`flush` waits
-until nothing is. A hook that raised after launching collectives hands its record over like any
-other: its collectives stay in flight until they are seen done. DDP's backward returns only once every bucket's future completed, so a flush
-after it waits for every call of that backward.
+until nothing is. DDP's backward returns only once every bucket's future completed, so a flush
+after it waits for every call of that backward. A hook that raised after launching collectives
+hands its record over too: it is finished on the thread once they completed, and they stay in
+flight until then.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class Finisher:
         self._spans: deque[_SpanEnd] = deque()
         """Spans to end: at most ``capacity``."""
         self._records: deque[BucketRecord] = deque()
-        """CUDA records whose events have not all happened yet: never dropped (see :meth:`_hold`)."""
+        """Records waiting for their events (CUDA) or collectives (a hook that raised): never dropped (see :meth:`_hold`)."""
         self._thread: threading.Thread | None = None
         self._exit_flush_registered = False
         self._slow_warned_at: float | None = None
@@ -211,14 +212,16 @@ class Finisher:
     def raised(self, record: BucketRecord, error: BaseException) -> None:
         """The hook of ``record`` raised ``error``: its span ends with it.
 
-        A record that launched collectives is finished like any other (they are in flight until
-        seen done, and its metrics count what was sent); one that launched none only ends its span.
+        A record that launched collectives is finished on the thread once they all completed (on
+        CUDA, once their events happened too): they stay in flight until then, and its metrics
+        count what was sent. One that launched none only ends its span.
         """
         if not record.launches:
             self.abandoned(record.span, error=error)
             return
         record.error = record.error or error
-        self.completed(record)
+        self._admit()
+        self._hold(record)
 
     def abandoned(self, span: OwnedSpan, error: BaseException | None = None, incomplete: str | None = None) -> None:
         """End the span of a call that produced no record to finish (the hook raised before launching, say)."""
@@ -294,7 +297,7 @@ class Finisher:
         self._done()
 
     def _hold(self, record: BucketRecord) -> None:
-        """Keep a CUDA record until its events happened; it is never dropped.
+        """Keep a record until its collectives completed and its events happened; it is never dropped.
 
         What bounds them: the thread finishes every record whose events happened before it ends
         the next span, and the host runs only so far ahead of the device (on NCCL a hook's future
@@ -352,13 +355,14 @@ class Finisher:
                 else:
                     waiting.append(record)
                 del record
-            progressed = len(waiting) < taken or span is not None
+            progressed = len(waiting) < taken
             if waiting:
                 with self._wake:
                     self._records.extendleft(reversed(waiting))
             if span is not None:  # one span per round: records that became done meanwhile come first
                 self._end(span)
                 del span
+                continue
             if not waiting:
                 pause = _FIRST_POLL_S
                 continue
