@@ -23,11 +23,14 @@ from .ranks import free_base_port, free_port, run_ranks
 from .sink import memory_sink
 from .traced_cases import (
     HOOKS,
+    POWERSGD_CASES,
     BucketCopies,
     check_gradients_equal_untraced,
     check_metrics_agree_with_spans,
+    check_powersgd_poisoned,
     expected_error,
     overflow,
+    powersgd_poisoned_on_rank_0,
     spans_and_metrics,
     traced_powersgd,
 )
@@ -404,6 +407,16 @@ def test_a_bucket_holding_nan_is_counted_and_training_goes_on() -> None:
             assert result["other spans clean"]
             assert result["metric"] == 8
             assert result["created metric"] == 0
+
+
+@pytest.fixture(scope="module")
+def powersgd_poisoned() -> list[dict]:
+    return run_ranks(powersgd_poisoned_on_rank_0, 2)
+
+
+@pytest.mark.parametrize("case", POWERSGD_CASES)
+def test_powersgd_counts_each_ranks_own_nonfinite_elements(powersgd_poisoned: list[dict], case: tuple[bool, int]) -> None:
+    check_powersgd_poisoned(powersgd_poisoned, case)
 
 
 POISONED_HOOKS = {

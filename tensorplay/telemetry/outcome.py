@@ -8,9 +8,9 @@ The live gauges (the last hook call, the collectives in flight) are set where th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-from .compression_figures import error_value, to_number
+from .compression_figures import Figure, error_value, to_number
 from .names import Attr
 from .recorder import BucketRecord
 from .timing import seconds_between, unix_ns
@@ -30,7 +30,8 @@ class Outcome(NamedTuple):
     """For a counted step's last bucket: the end of the previous step to the end of this one."""
     wire_bytes: int
     collectives: int
-    nonfinite: int
+    nonfinite: int | None
+    """None where a stage's count was not measured (its compression never completed)."""
     bucket_nonfinite: int | None
     relative_error: float | None
     end_unix_ns: int | None
@@ -47,9 +48,9 @@ def outcome(record: BucketRecord) -> Outcome:
         step_s=_step_seconds(record),
         wire_bytes=wire_bytes(record),
         collectives=collective_count(record),
-        nonfinite=sum(int(to_number(stage.nonfinite)) for stage in stages),
+        nonfinite=_total(stage.nonfinite for stage in stages),
         # What the first stage compressed is the bucket as DDP handed it over.
-        bucket_nonfinite=int(to_number(stages[0].input_nonfinite)) if stages else None,
+        bucket_nonfinite=_total([stages[0].input_nonfinite]) if stages else None,
         # Stages compose (a wrapper around a compressing hook): their relative errors add up,
         # which bounds the end-to-end error to first order (triangle inequality). One stage is
         # exact. A stage without a finite figure leaves the call without one.
@@ -98,13 +99,15 @@ def span_attributes(record: BucketRecord, numbers: Outcome) -> dict[str, object]
         Attr.BUCKET_BYTES: record.bytes,
         Attr.BUCKET_WIRE_BYTES: numbers.wire_bytes,
         Attr.BUCKET_DTYPE: str(record.dtype).removeprefix("torch."),
-        Attr.COMPRESSION_NONFINITE: numbers.nonfinite,
         Attr.ALLREDUCE_LATENCY_MS: numbers.latency_s * 1e3,
         Attr.ALLREDUCE_COUNT: numbers.collectives,
         Attr.MODEL: record.model,
     }
+    if numbers.nonfinite is not None:  # left out where it was not measured
+        attributes[Attr.COMPRESSION_NONFINITE] = numbers.nonfinite
     if record.stages:
         attributes[Attr.COMPRESSION_DTYPE] = "+".join(stage.kind for stage in record.stages)
+    if numbers.bucket_nonfinite is not None:
         attributes[Attr.BUCKET_NONFINITE] = numbers.bucket_nonfinite
         if numbers.relative_error is not None:
             attributes[Attr.COMPRESSION_RELATIVE_ERROR] = numbers.relative_error
@@ -123,7 +126,8 @@ def observe(record: BucketRecord, numbers: Outcome, exemplar: OwnedSpan | None =
     child(metrics.allreduce_latency, rank, hook).observe(numbers.latency_s, _exemplar(exemplar))
     child(metrics.bucket_bytes, rank, hook).inc(record.bytes)
     child(metrics.wire_bytes, rank, hook).inc(numbers.wire_bytes)
-    child(metrics.nonfinite, rank, hook).inc(numbers.nonfinite)
+    if numbers.nonfinite is not None:
+        child(metrics.nonfinite, rank, hook).inc(numbers.nonfinite)
     if numbers.bucket_nonfinite is not None:
         child(metrics.bucket_nonfinite, rank, hook).inc(numbers.bucket_nonfinite)
     if numbers.relative_error is not None:
@@ -136,6 +140,16 @@ def observe(record: BucketRecord, numbers: Outcome, exemplar: OwnedSpan | None =
         child(metrics.step_wait, rank, hook).inc(numbers.latency_s)
         child(metrics.step_seconds, rank, hook).inc(numbers.step_s)
         child(metrics.steps, rank, hook).inc()
+
+
+def _total(counts: Iterable[Figure | None]) -> int | None:
+    """The sum of counts, None if one of them was not measured."""
+    total = 0
+    for count in counts:
+        if count is None:
+            return None
+        total += int(to_number(count))
+    return total
 
 
 def _compute_seconds(record: BucketRecord) -> float | None:

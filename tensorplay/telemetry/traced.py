@@ -177,7 +177,7 @@ class _TracedHook:
         try:
             future = self._hook(state, bucket)
         except BaseException as error:
-            finisher().abandoned(record.span, error=error)
+            finisher().raised(record, error)  # collectives it launched stay in flight until done
             raise
         finally:
             probe.uninstall_recorder(token)
