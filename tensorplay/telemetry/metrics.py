@@ -112,6 +112,16 @@ class TensorplayMetrics:
         self.steps = Counter(
             Metric.STEPS, "Steps whose end wait tensorplay_step_wait_seconds_total counts.", hook_labels, registry=r
         )
+        # One timeline per step (docs/telemetry.md, "Busy time and exposed communication").
+        self.step_busy, self.step_exposed_communication, self.step_communication = (
+            Counter(name, description, hook_labels, registry=r) for name, description in (
+                (Metric.STEP_BUSY, "Seconds of this rank's own work in those steps: the previous step's last "
+                                   "collective done to the step's last hook call."),
+                (Metric.STEP_EXPOSED_COMMUNICATION, "Seconds those steps waited for communication: the last hook "
+                                                    "call to the last of their hook futures done."),
+                (Metric.STEP_COMMUNICATION, "Seconds of those steps with at least one of their traced collectives in flight."),
+            )
+        )
         self.last_step_timestamp = Gauge(
             Metric.LAST_STEP_TIMESTAMP, "Unix time of this rank's latest hook call.", rank_label, registry=r
         )

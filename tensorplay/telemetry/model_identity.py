@@ -25,11 +25,14 @@ import functools
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .recorder import BucketLayout, CollectiveEnds
+
+if TYPE_CHECKING:
+    from .step_timeline import StepTimeline
 
 __all__ = ["ModelSteps", "ModelsOfHook", "KnownBucket", "CallPlace"]
 
@@ -39,7 +42,7 @@ _logger = logging.getLogger(__name__)
 class ModelSteps:
     """One model's iteration count as seen by a traced hook."""
 
-    __slots__ = ("index", "step", "expected_bucket", "previous_step_end", "rank_and_world", "__weakref__")
+    __slots__ = ("index", "step", "expected_bucket", "previous_step_end", "rank_and_world", "timeline", "__weakref__")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -53,6 +56,8 @@ class ModelSteps:
         """This rank and the size of the group the hook reduces over, read at the step's first bucket
         (every bucket of a step reduces over the same group; asking ``torch.distributed`` costs the
         training thread tens of microseconds per bucket after a backward pass)."""
+        self.timeline: StepTimeline | None = None
+        """The iteration in progress, if the step counters count it: one per model at a time."""
 
 
 class KnownBucket:
