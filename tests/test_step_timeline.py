@@ -14,8 +14,10 @@ import threading
 import time
 import types
 from importlib import import_module
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -274,6 +276,29 @@ def test_two_models_of_one_hook_keep_an_iteration_each(sink: MemorySink, one_ran
     closing = _closing(sink)
     assert closing == {("_HandHook", 1): 0, ("_HandHook", 2): 0, ("_HandHook#1", 1): 0, ("_HandHook#1", 2): 0}
     assert _steps(sink) == _steps(sink, "_HandHook#1") == 2
+
+
+def test_the_span_reader_reads_the_step_figures_off_the_closing_spans(tmp_path: Path, one_rank_group: None) -> None:
+    from tensorplay.analysis.span_reader import read_spans
+    from tensorplay.telemetry.tracing import JsonLinesSpanExporter
+
+    sink = memory_sink(JsonLinesSpanExporter(str(tmp_path / "spans-rank0.jsonl")))
+    hand = _HandHook()
+    hook, model = sink.traced(hand), _Model()
+    for order in ([0, 1], [1, 0], [0, 1]):
+        for bucket in model.buckets:
+            hook(None, bucket)
+        hand.complete(order)
+    assert flush(30)
+    hooks = read_spans(tmp_path).hooks
+    closing = ~np.isnan(hooks.busy_ms)
+    assert sorted(zip(hooks.step[closing], hooks.bucket[closing])) == [(1, 0), (2, 1)]
+    columns = {"busy_ms": "step_busy_seconds", "exposed_communication_ms": "step_exposed_communication_seconds",
+               "communication_ms": "step_communication_seconds"}
+    for column, counter in columns.items():
+        values = getattr(hooks, column)
+        assert np.isnan(values[~closing]).all() and not np.isnan(values[closing]).any()
+        assert values[closing].sum() == pytest.approx(sink.sample(f"tensorplay_{counter}_total", rank="0", hook="_HandHook") * 1e3)
 
 
 # -- real ranks -------------------------------------------------------------------------------------
