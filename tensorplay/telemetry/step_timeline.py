@@ -20,9 +20,10 @@ under its lock, and the fold that finds the last bucket folded and every traced 
 iteration folded closes it, once, and returns its :class:`StepFigures`. The training thread only
 creates the timeline at the step's first bucket and counts each call (attribute writes, no lock).
 
-On CUDA every stamp is an event on the stream that produced the bucket: intervals are the
-device's own, read once the events have happened (records are finished by ``tensorplay-finisher``
-only then), as offsets from the previous iteration's end, which happened before them all.
+On CUDA every stamp is also an event (the call's on the stream that produced the bucket, each
+collective's and future's at its completion): intervals are the device's own, read once the events
+have happened (``tensorplay-finisher`` finishes a record only then, and never synchronizes), as
+offsets from the previous iteration's end, which happened before them all.
 """
 
 from __future__ import annotations
