@@ -21,7 +21,7 @@ from .timing import Stamp, seconds_between, unix_ns
 if TYPE_CHECKING:
     from .finish import OwnedSpan
 
-__all__ = ["Outcome", "outcome", "observe", "span_attributes", "collective_intervals"]
+__all__ = ["Outcome", "outcome", "observe", "span_attributes"]
 
 
 class Outcome(NamedTuple):
