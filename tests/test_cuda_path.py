@@ -207,6 +207,28 @@ def test_latency_and_span_end_come_from_device_events(nccl: None) -> None:
     _assert_within_spans(reduced)
 
 
+def _sleep_in_the_last_bucket(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A user's hook that keeps the GPU busy in the last bucket only: after the backward's last hook call."""
+    if bucket.is_last():
+        torch.cuda._sleep(SLEEP_CYCLES)
+    return traced_cases.user_hook(state, bucket)
+
+
+def test_exposed_communication_comes_from_device_events(nccl: None) -> None:
+    # The host's last completion follows the last hook call by microseconds (NCCL's futures
+    # complete at enqueue); the device spends the sleep between them.
+    sink = memory_sink()
+    with _training_on_cuda():
+        training.train(0, traced(_sleep_in_the_last_bucket, tracer_provider=sink.provider), steps=3)
+    assert flush(60), "records still pending"
+    closing = [span for span in sink.spans() if Attr.STEP_BUSY_MS in span]
+    assert sorted(span[Attr.STEP] for span in closing) == [1, 2]
+    for span in closing:
+        assert span[Attr.STEP_EXPOSED_COMMUNICATION_MS] >= SLEEP_MS_AT_LEAST, span
+        assert span[Attr.STEP_COMMUNICATION_MS] >= SLEEP_MS_AT_LEAST, span
+        assert span[Attr.STEP_BUSY_MS] > 0, span
+
+
 def test_fp16_overflow_is_counted_on_cuda(nccl: None) -> None:
     with _training_on_cuda():
         outcome = traced_cases.overflow(0, 1)

@@ -7,6 +7,7 @@ Rank functions train the model ``training.make_model`` builds, on the device it 
 import gc
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -23,9 +24,10 @@ from . import training
 from .sink import memory_sink
 from .training import passthrough, train
 
-__all__ = ["HOOKS", "user_hook", "BucketCopies", "expected_error", "spans_and_metrics", "check_gradients_equal_untraced",
-           "check_metrics_agree_with_spans", "overflow", "traced_powersgd", "POWERSGD_CASES",
-           "powersgd_poisoned_on_rank_0", "check_powersgd_poisoned", "live_records"]
+__all__ = ["HOOKS", "STEP_COUNTERS", "user_hook", "BucketCopies", "expected_error", "spans_and_metrics",
+           "check_gradients_equal_untraced", "check_metrics_agree_with_spans", "check_step_figures_agree_with_spans",
+           "overflow", "traced_powersgd", "POWERSGD_CASES", "powersgd_poisoned_on_rank_0", "check_powersgd_poisoned",
+           "live_records"]
 
 HOOKS = {
     "allreduce_hook": (default_hooks.allreduce_hook, None),
@@ -35,6 +37,13 @@ HOOKS = {
     "bf16_compress_wrapper(allreduce_hook)": (default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook), "bfloat16"),
     "noop_hook": (debugging_hooks.noop_hook, None),
 }
+STEP_COUNTERS = {
+    "step_busy_seconds": Attr.STEP_BUSY_MS,
+    "step_exposed_communication_seconds": Attr.STEP_EXPOSED_COMMUNICATION_MS,
+    "step_communication_seconds": Attr.STEP_COMMUNICATION_MS,
+    "steps": None,
+}
+"""The step counters of each traced hook (``tensorplay_<name>_total``) and the span attribute each sums."""
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -95,6 +104,7 @@ def spans_and_metrics(rank: int, world_size: int) -> dict:
             "wire_bytes": registry.get_sample_value("tensorplay_wire_bytes_total", labels),
             "error_count": registry.get_sample_value("tensorplay_compression_error_ratio_count", labels),
             "compute_count": registry.get_sample_value("tensorplay_step_compute_seconds_count", {"rank": str(rank)}),
+            **{counter: registry.get_sample_value(f"tensorplay_{counter}_total", labels) for counter in STEP_COUNTERS},
             "last_step": registry.get_sample_value("tensorplay_last_step_timestamp_seconds", {"rank": str(rank)}),
         }
     return outcome
@@ -117,6 +127,24 @@ def check_metrics_agree_with_spans(outcomes: list[dict], name: str) -> None:
         assert result["error_count"] == (len(spans) if HOOKS.get(name, (0, None))[1] else None)
         assert result["compute_count"] == 2  # steps 1 and 2 follow a completed step
         assert 1.7e9 < result["last_step"] < 4e9  # a unix time
+        check_step_figures_agree_with_spans(result)
+
+
+def check_step_figures_agree_with_spans(result: dict, resolution_ms: float = 1e-3) -> None:
+    """One span closes each counted iteration (steps 1 and 2 of 3) and carries its step figures; the
+    counters are their sums. Each single-collective call's latency interval lies within its
+    iteration's communication, which the sum of the latencies bounds (``resolution_ms``: CUDA
+    events' offsets from a common origin round to about a microsecond)."""
+    spans = result["spans"]
+    closing = [span for span in spans if Attr.STEP_BUSY_MS in span]
+    assert sorted(span[Attr.STEP] for span in closing) == [1, 2] and result["steps"] == 2
+    for counter, attribute in STEP_COUNTERS.items():
+        if attribute is not None:
+            assert result[counter] * 1e3 == pytest.approx(sum(span[attribute] for span in closing), rel=1e-9)
+    for span in closing:
+        latencies = [s[Attr.ALLREDUCE_LATENCY_MS] for s in spans if s[Attr.STEP] == span[Attr.STEP]]
+        assert max(latencies) - resolution_ms <= span[Attr.STEP_COMMUNICATION_MS] <= sum(latencies) + resolution_ms
+        assert span[Attr.STEP_BUSY_MS] > 0 and span[Attr.STEP_EXPOSED_COMMUNICATION_MS] >= 0
 
 
 def overflow(rank: int, world_size: int) -> dict:

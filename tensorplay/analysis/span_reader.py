@@ -86,6 +86,13 @@ class HookSpans:
     """Elements compression made non-finite."""
     bucket_nonfinite: np.ndarray
     """Non-finite elements that reached a compressing hook; 0 for hooks that do not compress."""
+    busy_ms: np.ndarray
+    """On the span that closed its step (the step's last call to finish), the step's busy time:
+    the previous step's last collective done to the step's last hook call. NaN on other spans."""
+    exposed_communication_ms: np.ndarray
+    """On the span that closed its step, the last hook call to the last hook future done; NaN elsewhere."""
+    communication_ms: np.ndarray
+    """On the span that closed its step, the time with one of its collectives in flight; NaN elsewhere."""
     hook: np.ndarray
     """Index into :attr:`hook_names`."""
     hook_names: list[str]
@@ -160,8 +167,10 @@ _BYTES, _WIRE_BYTES, _NONFINITE, _BUCKET_NONFINITE = (Attr.BUCKET_BYTES, Attr.BU
                                                       Attr.COMPRESSION_NONFINITE, Attr.BUCKET_NONFINITE)
 _LATENCY, _ERROR, _NAN = Attr.ALLREDUCE_LATENCY_MS, Attr.COMPRESSION_RELATIVE_ERROR, float("nan")
 _WORLD_SIZE = Attr.WORLD_SIZE
+_BUSY, _EXPOSED, _COMMUNICATION = Attr.STEP_BUSY_MS, Attr.STEP_EXPOSED_COMMUNICATION_MS, Attr.STEP_COMMUNICATION_MS
 _INT_COLUMNS = ("rank", "model", "step", "bucket", "bucket_bytes", "wire_bytes", "nonfinite", "bucket_nonfinite", "hook")
-_FLOAT_COLUMNS = ("start_s", "end_s", "latency_ms", "relative_error")
+_FLOAT_COLUMNS = ("start_s", "end_s", "latency_ms", "relative_error", "busy_ms", "exposed_communication_ms",
+                  "communication_ms")
 _HOOK_COLUMN = _INT_COLUMNS.index("hook")
 _READ_COLUMNS = (*_INT_COLUMNS, "world_size", "line")
 """A file's int rows as read: the columns kept, then the world size the span says and its line (for the checks)."""
@@ -260,7 +269,8 @@ class _FileReader:
                            attributes[_WIRE_BYTES], attributes[_NONFINITE], attributes.get(_BUCKET_NONFINITE, 0),
                            hooks.get(hook, len(hooks)), world_size, line))
         floats = array("d", (clock(span["start_time"]), clock(span["end_time"]), attributes[_LATENCY],
-                             attributes.get(_ERROR, _NAN)))
+                             attributes.get(_ERROR, _NAN), attributes.get(_BUSY, _NAN), attributes.get(_EXPOSED, _NAN),
+                             attributes.get(_COMMUNICATION, _NAN)))
         if not isinstance(hook, str):
             raise TypeError("a hook name that is not a string")
         hooks.setdefault(hook, len(hooks))

@@ -45,8 +45,8 @@ JOIN_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 60
 class _WithoutCreated:
     """Serves a registry's families without their ``_created`` samples.
 
-    prometheus_client adds one ``<name>_created`` series per counter and histogram child: 9 of a
-    rank's 85 series with one hook, read by no rule, panel or alert (Prometheus 2.x stores them as
+    prometheus_client adds one ``<name>_created`` series per counter and histogram child: 15 of a
+    rank's 97 series with one hook, read by no rule, panel or alert (Prometheus 2.x stores them as
     plain gauges). Dropping them here, rather than with prometheus_client's process-wide
     ``disable_created_metrics()``, leaves an application's own metrics in the same process as
     they are.
@@ -111,6 +111,16 @@ class TensorplayMetrics:
         )
         self.steps = Counter(
             Metric.STEPS, "Steps whose end wait tensorplay_step_wait_seconds_total counts.", hook_labels, registry=r
+        )
+        # One timeline per step (docs/telemetry.md, "Busy time and exposed communication").
+        self.step_busy, self.step_exposed_communication, self.step_communication = (
+            Counter(name, description, hook_labels, registry=r) for name, description in (
+                (Metric.STEP_BUSY, "Seconds of this rank's own work in those steps: the previous step's last "
+                                   "collective done to the step's last hook call."),
+                (Metric.STEP_EXPOSED_COMMUNICATION, "Seconds those steps waited for communication: the last hook "
+                                                    "call to the last of their hook futures done."),
+                (Metric.STEP_COMMUNICATION, "Seconds of those steps with at least one of their traced collectives in flight."),
+            )
         )
         self.last_step_timestamp = Gauge(
             Metric.LAST_STEP_TIMESTAMP, "Unix time of this rank's latest hook call.", rank_label, registry=r

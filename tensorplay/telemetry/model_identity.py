@@ -30,11 +30,14 @@ import functools
 import logging
 import threading
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .recorder import BucketLayout, CollectiveEnds
+
+if TYPE_CHECKING:
+    from .step_timeline import StepTimeline
 
 __all__ = ["ModelSteps", "ModelsOfHook", "KnownBucket", "CallPlace"]
 
@@ -46,6 +49,7 @@ class ModelSteps:
 
     __slots__ = (
         "index", "step", "expected_bucket", "previous_step_end", "rank_and_world", "buffers", "placed_on",
+        "timeline",
         "__weakref__",
     )
 
@@ -65,6 +69,8 @@ class ModelSteps:
         """Bucket index -> this model's latest buffer for it, weakly (written only while placing, under the lock)."""
         self.placed_on: Optional[int] = None
         """The thread that placed this model's latest new buffer (the thread running its backward then)."""
+        self.timeline: StepTimeline | None = None
+        """The iteration in progress, if the step counters count it: one per model at a time."""
 
 
 class KnownBucket:

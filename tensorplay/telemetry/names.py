@@ -36,6 +36,9 @@ class Attr:
     JOIN_WAIT_MS = "tensorplay.join.wait_ms"
     JOIN_LAST_JOINER = "tensorplay.join.last_joiner"
     MODEL = "tensorplay.model"
+    STEP_BUSY_MS = "tensorplay.step.busy_ms"
+    STEP_EXPOSED_COMMUNICATION_MS = "tensorplay.step.exposed_communication_ms"
+    STEP_COMMUNICATION_MS = "tensorplay.step.communication_ms"
 
 
 class Metric:
@@ -59,3 +62,6 @@ class Metric:
     STEP_WAIT = "tensorplay_step_wait_seconds"
     STEP_SECONDS = "tensorplay_step_seconds"
     STEPS = "tensorplay_steps"
+    STEP_BUSY = "tensorplay_step_busy_seconds"
+    STEP_EXPOSED_COMMUNICATION = "tensorplay_step_exposed_communication_seconds"
+    STEP_COMMUNICATION = "tensorplay_step_communication_seconds"

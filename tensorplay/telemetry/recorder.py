@@ -37,6 +37,7 @@ from .timing import Stamp, stamp
 
 if TYPE_CHECKING:
     from .finish import OwnedSpan
+    from .step_timeline import StepTimeline
 
 __all__ = ["BucketLayout", "BucketRecord", "CollectiveEnds", "CompressionStage"]
 
@@ -131,7 +132,7 @@ class BucketRecord:
         "bucket_index", "numel", "bytes", "dtype", "device", "sample_error", "span", "metrics",
         "previous_step_end", "step_start", "called", "launches", "ends", "_in_flight", "wire_bytes",
         "stages", "_pending_casts", "_proven_by", "_sent_finite", "_elsewhere", "_arrived", "returned_buffer_bytes",
-        "error", "failures",
+        "error", "failures", "timeline",
     )
 
     def __init__(
@@ -151,6 +152,7 @@ class BucketRecord:
         step_start: CollectiveEnds | None,
         model: int = 0,
         called: Stamp | None = None,
+        timeline: StepTimeline | None = None,
     ) -> None:
         self.hook = hook
         self.model = model
@@ -198,6 +200,9 @@ class BucketRecord:
         """The failure of the hook's future or of one of its collectives."""
         self.failures: list[str] = []
         """Where telemetry failed for this call (the span is then marked incomplete)."""
+        self.timeline = timeline
+        """The iteration this call belongs to, if the step counters count it; its figures are
+        folded in once, when the record is finished (then None)."""
 
     # -- the probe's HookRecorder protocol (training thread and future callbacks) --
 

@@ -27,6 +27,7 @@ from .metrics import TensorplayMetrics, active_metrics
 from .model_identity import CallPlace, ModelsOfHook
 from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord
+from .step_timeline import StepTimeline
 from .timing import stamp
 from .tracing import tracer as default_tracer
 
@@ -211,6 +212,11 @@ class _TracedHook:
             if place.first_of_step or model.rank_and_world is None:
                 model.rank_and_world = (dist.get_rank(), _world_size(state))
             rank, world_size = model.rank_and_world
+            if place.first_of_step:  # the iterations the step counters count: one after another, not shadowed
+                model.timeline = StepTimeline(place.step, previous) if previous is not None and not shadowing else None
+            timeline = model.timeline
+            if timeline is not None and timeline.step != place.step:
+                timeline = None  # left from an earlier step whose first bucket was not recorded
             record = BucketRecord(
                 hook=self._name,
                 reports_collectives=self._reports_collectives,
@@ -226,7 +232,10 @@ class _TracedHook:
                 step_start=previous if place.last_of_step and not shadowing else None,
                 model=model.index,
                 called=called,
+                timeline=timeline,
             )
+            if timeline is not None:
+                timeline.note_call(called, place.last_of_step)
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
             if tracer is not None and _may_record(tracer):  # the call still gets its span, marked incomplete
