@@ -14,6 +14,7 @@ with a stand-in event.
 import gc
 import random
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tensorplay.analysis.span_reader import read_spans
 from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _split_layers, powerSGD_hook
 from tensorplay.telemetry import TensorplayMetrics, flush
@@ -30,9 +32,10 @@ from tensorplay.telemetry.advisor import Advisor, device_figures, figures_from, 
 from tensorplay.telemetry.candidate_figures import POWERSGD_RANKS, CandidateSums, bucket_sums, compresses
 from tensorplay.telemetry.finish import OwnedSpan
 from tensorplay.telemetry.model_identity import CallPlace, KnownBucket, ModelSteps
-from tensorplay.telemetry.names import ADVICE_SPAN_NAME, Attr, Candidate
+from tensorplay.telemetry.names import ADVICE_SPAN_NAME, HOOK_SPAN_NAME, Attr, Candidate
 from tensorplay.telemetry.recorder import BucketLayout, BucketRecord
 from tensorplay.telemetry.timing import Stamp
+from tensorplay.telemetry.tracing import JsonLinesSpanExporter
 
 from . import training
 from .ranks import run_ranks
@@ -282,14 +285,15 @@ class _Bucket:
         return self._views
 
 
-def _take(advisor: Advisor, metrics: TensorplayMetrics, model: ModelSteps, step: int, index: int, last: bool) -> None:
+def _take(advisor: Advisor, metrics: TensorplayMetrics, model: ModelSteps, step: int, index: int, last: bool,
+          tracer: Any = None) -> None:
     bucket = _Bucket([(64, 32), (64,)], seed=step * 10 + index)
     layout = BucketLayout(bucket.buffer())
     place = CallPlace(KnownBucket(model, index, last, layout), step, index == 0, None)
     record = BucketRecord(hook="allreduce_hook", reports_collectives=True, step=step, rank=0, world_size=2, bucket_index=index,
                           layout=layout, sample_error=False, span=OwnedSpan(), metrics=metrics, previous_step_end=None,
                           step_start=None)
-    advisor.take(bucket, place, record, None)
+    advisor.take(bucket, place, record, tracer)
 
 
 def test_an_iteration_is_not_advised_while_the_previous_one_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,6 +322,27 @@ def test_an_iteration_is_not_advised_while_the_previous_one_is_computed(monkeypa
     assert flush(30) and advisor.iterations_advised == 2
     gc.collect()
     assert sum(type(o) is advisor_module._BucketCopy for o in gc.get_objects()) == 0
+
+
+def test_the_span_reader_reads_the_advice_span(tmp_path: Path) -> None:
+    sink = memory_sink(JsonLinesSpanExporter(str(tmp_path / "spans-rank0.jsonl")))
+    tracer = sink.provider.get_tracer("tensorplay")
+    advisor, model = Advisor(every=1), ModelSteps(0)
+    _take(advisor, sink.metrics, model, step=0, index=0, last=False, tracer=tracer)
+    _take(advisor, sink.metrics, model, step=0, index=1, last=True, tracer=tracer)
+    assert flush(30)
+    hook_span = {Attr.HOOK: "allreduce_hook", Attr.RANK: 0, Attr.STEP: 0, Attr.BUCKET_INDEX: 0, Attr.BUCKET_BYTES: 8,
+                 Attr.BUCKET_WIRE_BYTES: 8, Attr.COMPRESSION_NONFINITE: 0, Attr.ALLREDUCE_LATENCY_MS: 1.0}
+    tracer.start_span(HOOK_SPAN_NAME, attributes=hook_span).end()  # a run's file holds hook spans too
+    spans = read_spans(tmp_path)
+    assert spans.problems == [] and len(spans.hooks) == 1
+    (advice,) = spans.advice
+    assert (advice.rank, advice.model, advice.step, advice.hook) == (0, 0, 0, "allreduce_hook")
+    assert advice.bucket_bytes == 2 * (64 * 32 + 64) * 4 and advice.start_s <= advice.end_s
+    for candidate in Candidate.ALL:
+        labels = {"rank": "0", "hook": "allreduce_hook", "candidate": candidate}
+        figures = [sink.sample(METRICS[figure], **labels) for figure in ("error", "wire", "nonfinite")]
+        assert advice.candidates[candidate] == tuple(figures)
 
 
 class _StandInEvent:
