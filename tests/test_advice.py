@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tensorplay.analysis.span_reader import read_spans
+from tensorplay.distributed.algorithms.join import Join
 from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _split_layers, powerSGD_hook
 from tensorplay.telemetry import TensorplayMetrics, flush
@@ -124,6 +125,22 @@ def _svd_bound(result: dict, step: int, rank: int) -> float:
     return (error_sq / reference_sq) ** 0.5
 
 
+def _advice_under_join(rank: int) -> list[int]:
+    """Rank 0 runs out of inputs after 2 steps and shadows rank 1's last 2: the steps advised on this rank."""
+    sink = memory_sink()
+    ddp = DDP(training.make_model(), bucket_cap_mb=training.BUCKET_CAP_MB)
+    ddp.register_comm_hook(None, sink.traced(default_hooks.allreduce_hook, advise_every=1))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with Join([ddp]):
+        for step in range(2 if rank == 0 else 4):
+            optimizer.zero_grad()
+            ddp(training.rank_batch(rank, step)).square().mean().backward()
+            optimizer.step()
+            assert flush(60)
+    assert flush(60)
+    return sorted(span[Attr.STEP] for span in sink.spans(ADVICE_SPAN_NAME))
+
+
 def advice_cases(rank: int, world_size: int) -> dict:
     """Every ranked case, in one pair of ranks."""
     out: dict[str, Any] = {}
@@ -151,6 +168,7 @@ def advice_cases(rank: int, world_size: int) -> dict:
         for c in overflow["copies"].values()
     )
     out["overflow"] = overflow
+    out["join"] = {"advised steps": _advice_under_join(rank)}
     for result in out.values():  # what the tests read, as plain data
         for tensors in ("copies", "layouts", "params"):
             result.pop(tensors, None)
@@ -236,6 +254,11 @@ def test_advise_every_0_records_nothing(ranked: list[dict]) -> None:
         quiet = result["advise_every=0"]
         assert quiet["advice"] == {} and set(quiet["gauges"].values()) == {None}
         assert result["allreduce"]["gauges"][("wire", Candidate.FP16)] == 0.5  # where advised, the gauges exist
+
+
+def test_iterations_shadowed_inside_join_are_not_advised(ranked: list[dict]) -> None:
+    # Rank 0's steps 2 and 3 are rank 1's, shadowed; the advice thread was idle when they came.
+    assert [result["join"]["advised steps"] for result in ranked] == [[0, 1], [0, 1, 2, 3]]
 
 
 def test_fp16_overflow_is_counted_and_bf16_has_none(ranked: list[dict]) -> None:
