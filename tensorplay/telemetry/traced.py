@@ -67,7 +67,7 @@ def traced(
             number; unset or empty means the default), else 25.
         advise_every: take the compression advice (what fp16, bf16 and PowerSGD at ranks 1, 2
             and 4 would make of this rank's gradients) on one step in this many (steps N-1, 2N-1,
-            ...); 1 on every step, 0 never. Default: ``TENSORPLAY_ADVISE_EVERY``, else 100
+            ...); 1 on every step, 0 never. Default: ``TENSORPLAY_ADVISE_EVERY``, else 250
             (docs/telemetry.md, "What another hook would give").
         metrics: where to record metrics (tests pass ``TensorplayMetrics(CollectorRegistry())``).
             Default: the process's metrics once :func:`~tensorplay.telemetry.enable_metrics` ran.
