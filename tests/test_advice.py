@@ -146,7 +146,9 @@ def advice_cases(rank: int, world_size: int) -> dict:
     out: dict[str, Any] = {}
     for name, hook in (("fp16", default_hooks.fp16_compress_hook), ("bf16", default_hooks.bf16_compress_hook)):
         out[name] = _advised_run(rank, hook, _one_bucket_model())
-    out["float16 model"] = _advised_run(rank, default_hooks.fp16_compress_hook, _one_bucket_model(torch.float16))
+    half = out["float16 model"] = _advised_run(rank, default_hooks.fp16_compress_hook, _one_bucket_model(torch.float16))
+    half["bf16 expected"] = {step: expected_error(half["copies"][(step, 0)], torch.bfloat16, world_size, wrapper=False)
+                             for step in (0, 1)}
 
     allreduce = _advised_run(rank, default_hooks.allreduce_hook, training.make_model())
     quiet = _advised_run(rank, default_hooks.allreduce_hook, training.make_model(), advise_every=0)
@@ -205,7 +207,8 @@ def test_the_advice_of_a_float16_model(ranked: list[dict]) -> None:
         for step, span in run["advice"].items():
             assert _advice(span, Candidate.FP16) == (0.0, 1.0, 0)  # the cast is the bucket itself
             bf16_error, bf16_wire, _ = _advice(span, Candidate.BF16)
-            assert bf16_wire == 1.0 and 1e-4 < bf16_error < 0.02  # bfloat16 keeps 3 fewer mantissa bits than float16
+            assert bf16_wire == 1.0 and bf16_error == pytest.approx(run["bf16 expected"][step], rel=1e-4)
+            assert 1e-4 < bf16_error < 0.02  # bfloat16 keeps 3 fewer mantissa bits than float16
             for candidate in POWERSGD_RANKS:
                 error, wire, nonfinite = _advice(span, candidate)
                 assert 0 < error <= 1 and 0 < wire < 0.1 and nonfinite == 0
