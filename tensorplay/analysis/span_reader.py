@@ -40,10 +40,10 @@ try:  # the report extra brings orjson: JSON parsing is most of the time a large
 except ImportError:  # pragma: no cover - the standard library parses the same lines, three times slower
     from json import loads as _fast_loads
 
-from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr
+from tensorplay.telemetry.names import ADVICE_SPAN_NAME, HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr, Candidate
 
-__all__ = ["HookSpans", "JoinSpan", "Spans", "NoSpans", "span_files", "read_spans", "merge_spans", "PARALLEL_BYTES",
-           "IMPLAUSIBLE_SPREAD", "IMPLAUSIBLE_SLACK"]
+__all__ = ["HookSpans", "JoinSpan", "AdviceSpan", "Spans", "NoSpans", "span_files", "read_spans", "merge_spans",
+           "PARALLEL_BYTES", "IMPLAUSIBLE_SPREAD", "IMPLAUSIBLE_SLACK"]
 
 PARALLEL_BYTES = 64 * 2**20
 """Runs with at least this much JSON are read by one process per core."""
@@ -59,6 +59,7 @@ _HOOK_INTS = (Attr.RANK, Attr.STEP, Attr.BUCKET_INDEX, Attr.BUCKET_BYTES, Attr.B
 _HOOK_FLOATS = (Attr.ALLREDUCE_LATENCY_MS,)
 _JOIN_INTS = (Attr.RANK, Attr.JOIN_SHADOW_ITERATIONS)
 _JOIN_FLOATS = (Attr.JOIN_WAIT_MS,)
+_ADVICE_INTS = (Attr.RANK, Attr.STEP, Attr.BUCKET_BYTES)
 
 
 class NoSpans(Exception):
@@ -113,6 +114,23 @@ class JoinSpan:
     last_joiner: bool
 
 
+@dataclass(frozen=True)
+class AdviceSpan:
+    """One rank's ``tensorplay.advice`` span: what each candidate compression would have made of
+    the gradients of one advised iteration (docs/telemetry.md, "What another hook would give")."""
+
+    rank: int
+    model: int
+    step: int
+    hook: str
+    start_s: float
+    end_s: float
+    bucket_bytes: int
+    """Bytes of the iteration's buckets as DDP handed them over."""
+    candidates: dict[str, tuple[float, float, int]]
+    """Candidate -> (error ratio, NaN where it was undefined or infinite; wire ratio; elements made non-finite)."""
+
+
 @dataclass
 class Spans:
     """What was read, and what could not be."""
@@ -124,6 +142,7 @@ class Spans:
     world_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
     """Per file name, each world size its spans say (their resource's ``tensorplay.world_size``, else
     their own) and how many spans say it; spans that say none are not counted."""
+    advice: list[AdviceSpan] = field(default_factory=list)
 
 
 def span_files(source: Path) -> list[Path]:
@@ -198,6 +217,7 @@ class _FileSpans:
     join_world_sizes: list[int]
     """The world size each join span says (0: none), in the order of :attr:`joins`."""
     problems: _FileProblems
+    advice: list[AdviceSpan] = field(default_factory=list)
 
     def world_sizes(self) -> dict[int, int]:
         """Each world size the file's spans say, and how many spans say it."""
@@ -215,6 +235,7 @@ class _FileReader:
         self._hooks: dict[str, int] = {}
         self._joins: list[JoinSpan] = []
         self._join_world_sizes: list[int] = []
+        self._advice: list[AdviceSpan] = []
         self._clock = _Clock()
 
     def read(self, path: Path) -> _FileSpans:
@@ -239,7 +260,7 @@ class _FileReader:
                     problems.add("spans of an unknown version", number, problem)
         return _FileSpans(np.array(self._ints, dtype=np.int64).reshape(-1, len(_READ_COLUMNS)),
                           np.array(self._floats, dtype=np.float64).reshape(-1, len(_FLOAT_COLUMNS)),
-                          list(self._hooks), self._joins, self._join_world_sizes, problems)
+                          list(self._hooks), self._joins, self._join_world_sizes, problems, self._advice)
 
     def _add(self, span: Any, line: int) -> str | None:
         """Add one parsed span; return what makes it unreadable, or None."""
@@ -249,6 +270,8 @@ class _FileReader:
                 self._add_hook(span, attributes, line)
             elif name == JOIN_SPAN_NAME:
                 self._add_join(span, attributes)
+            elif name == ADVICE_SPAN_NAME:
+                self._add_advice(span, attributes)
             elif isinstance(name, str) and name.startswith(_TENSORPLAY_PREFIX):
                 return f"a span named {name!r}"
             return None  # ours, or the application's own span
@@ -306,6 +329,23 @@ def _world_size(span: dict[str, Any], attributes: dict[str, Any], rank: int) -> 
     return job
 
 
+    def _add_advice(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
+        ints = [attributes[name] for name in _ADVICE_INTS]
+        hook = attributes[Attr.HOOK]
+        if not all(isinstance(value, int) and value >= 0 for value in ints) or not isinstance(hook, str):
+            raise TypeError("rank, step and bytes must be whole numbers, the hook a name")
+        candidates = {
+            name: (float(attributes.get(Attr.ADVICE_ERROR_RATIO.format(candidate=name), _NAN)),
+                   float(attributes[Attr.ADVICE_WIRE_RATIO.format(candidate=name)]),
+                   int(attributes[Attr.ADVICE_NONFINITE.format(candidate=name)]))
+            for name in Candidate.ALL
+        }
+        rank, step, bucket_bytes = ints
+        self._advice.append(AdviceSpan(rank, int(attributes.get(Attr.MODEL, 0)), step, hook,
+                                       self._clock.unix_seconds(span["start_time"]),
+                                       self._clock.unix_seconds(span["end_time"]), bucket_bytes, candidates))
+
+
 def _loads(raw: bytes) -> Any:
     try:
         return _fast_loads(raw)
@@ -318,8 +358,9 @@ def _describe(span: Any, error: Exception) -> str:
     if not isinstance(span, dict) or not isinstance(span.get("attributes"), dict):
         return "not an OpenTelemetry span as JsonLinesSpanExporter writes it"
     name, attributes = span.get("name"), span["attributes"]
-    hook = name == HOOK_SPAN_NAME
-    wrong = _wrong_type(attributes, _HOOK_INTS if hook else _JOIN_INTS, _HOOK_FLOATS if hook else _JOIN_FLOATS)
+    ints, floats = {HOOK_SPAN_NAME: (_HOOK_INTS, _HOOK_FLOATS), ADVICE_SPAN_NAME: (_ADVICE_INTS, ())}.get(
+        name, (_JOIN_INTS, _JOIN_FLOATS))
+    wrong = _wrong_type(attributes, ints, floats)
     if wrong is not None:
         return f"{name} without {wrong}"
     return f"{name}: {type(error).__name__}: {error}"
@@ -449,10 +490,11 @@ def read_spans(source: Path) -> Spans:
     hooks = _merge(parts)
     joins = [join for part in parts for join in part.joins]
     problems = [problem for part in parts for problem in part.problems.messages()]
+    advice = [advice for part in parts for advice in part.advice]
     if not len(hooks) and not joins:
         raise NoSpans("; ".join(problems) if problems else
                       f"no tensorplay spans in {', '.join(str(path) for path in files)}")
-    return Spans(hooks, joins, files, problems, {name: sizes for name, sizes in world_sizes.items() if sizes})
+    return Spans(hooks, joins, files, problems, {name: sizes for name, sizes in world_sizes.items() if sizes}, advice)
 
 
 def merge_spans(parts: list[Spans]) -> Spans:
@@ -462,4 +504,5 @@ def merge_spans(parts: list[Spans]) -> Spans:
                           part.hooks.hook_names, part.joins, [], _FileProblems(Path())) for part in parts]
     return Spans(_merge(as_rows), [join for part in parts for join in part.joins],
                  [path for part in parts for path in part.files], [p for part in parts for p in part.problems],
-                 {name: sizes for part in parts for name, sizes in part.world_sizes.items()})
+                 {name: sizes for part in parts for name, sizes in part.world_sizes.items()},
+                 [advice for part in parts for advice in part.advice])

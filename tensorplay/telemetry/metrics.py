@@ -145,6 +145,22 @@ class TensorplayMetrics:
             Metric.JOIN_LAST_JOINER, "1 if this rank was among the last to join (latest Join), else 0.", rank_label, registry=r
         )
         self.joins = Counter(Metric.JOINS, "Join contexts completed.", rank_label, registry=r)
+        candidate_labels = ("rank", "hook", "candidate")
+        self.candidate_error = Gauge(
+            Metric.CANDIDATE_ERROR,
+            "What the candidate compression would make of this rank's gradients: relative L2 error, latest advised iteration.",
+            candidate_labels, registry=r,
+        )
+        self.candidate_wire = Gauge(
+            Metric.CANDIDATE_WIRE,
+            "Bytes the candidate compression would send over bytes DDP handed over, latest advised iteration.",
+            candidate_labels, registry=r,
+        )
+        self.candidate_nonfinite = Gauge(
+            Metric.CANDIDATE_NONFINITE,
+            "Finite gradient elements the candidate compression would make non-finite, latest advised iteration.",
+            candidate_labels, registry=r,
+        )
         self.telemetry_errors = Counter(
             Metric.TELEMETRY_ERRORS,
             "Telemetry problems that training rode over (port taken, exporter down, a failing listener).",
