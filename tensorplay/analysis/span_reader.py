@@ -314,21 +314,6 @@ class _FileReader:
                                     bool(attributes.get(Attr.JOIN_LAST_JOINER, False))))
         self._join_world_sizes.append(world_size)
 
-
-def _world_size(span: dict[str, Any], attributes: dict[str, Any], rank: int) -> int:
-    """The job's world size a span says: its resource's, else its own attribute's (the hook's group's); 0 if neither.
-
-    A rank not below its resource's world size (the whole job's) is :class:`_Implausible`.
-    """
-    resource = span.get("resource")
-    job = resource["attributes"].get(_WORLD_SIZE) if resource else None
-    if job is None:
-        return attributes.get(_WORLD_SIZE, 0)
-    if rank >= job:
-        raise _Implausible(f"{Attr.RANK} = {rank} in a job of {job} ranks (its resource's {_WORLD_SIZE})")
-    return job
-
-
     def _add_advice(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
         ints = [attributes[name] for name in _ADVICE_INTS]
         hook = attributes[Attr.HOOK]
@@ -344,6 +329,21 @@ def _world_size(span: dict[str, Any], attributes: dict[str, Any], rank: int) -> 
         self._advice.append(AdviceSpan(rank, int(attributes.get(Attr.MODEL, 0)), step, hook,
                                        self._clock.unix_seconds(span["start_time"]),
                                        self._clock.unix_seconds(span["end_time"]), bucket_bytes, candidates))
+
+
+def _world_size(span: dict[str, Any], attributes: dict[str, Any], rank: int) -> int:
+    """The job's world size a span says: its resource's, else its own attribute's (the hook's group's); 0 if neither.
+
+    A rank not below its resource's world size (the whole job's) is :class:`_Implausible`.
+    """
+    resource = span.get("resource")
+    job = resource["attributes"].get(_WORLD_SIZE) if resource else None
+    if job is None:
+        return attributes.get(_WORLD_SIZE, 0)
+    if rank >= job:
+        raise _Implausible(f"{Attr.RANK} = {rank} in a job of {job} ranks (its resource's {_WORLD_SIZE})")
+    return job
+
 
 
 def _loads(raw: bytes) -> Any:
