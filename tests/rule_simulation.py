@@ -4,8 +4,9 @@ Over a job's steps summed per 15 s scrape interval (:func:`tests.step_timing.sim
 evaluation takes each rank's 5-minute window as the recording rules do -- its end-of-step waits
 over its stepping time -- and judges it with ``tensorplay.analysis.straggler.outliers``, the
 function tests/test_straggler_analysis.py ties to the rule files; a rank is a straggler once the
-windows 5 and 10 minutes back agree (at most 8 a job), and its alert fires once it has been one,
-at one severity, for the alert's ``for:`` (2m). This is how bench/rules_at_scale.py runs a whole
+windows 5 and 10 minutes back agree (at most 8 a job), and its alert fires once it has been one
+for the alert's ``for:`` (2m): ``warning`` for every straggler, ``critical`` too for one that costs
+20 % of every step or more. This is how bench/rules_at_scale.py runs a whole
 day of 10,000 ranks, which backfilling Prometheus cannot reach. The windows are whole: the first
 evaluation is 5 minutes into the job (Prometheus has partial windows before; a job younger than
 its three windows has no straggler either way).
@@ -95,7 +96,8 @@ def run_rule(timelines: Iterable[Timeline], windows: int = WINDOWS, hold_s: floa
             named = sorted(np.flatnonzero(agreed), key=lambda r: -shares[r])[:MAX_RANKS_PER_JOB]
             run.straggler_evaluations += bool(named)
             now_s = elapsed * interval_s
-            current = {(int(r), severity(float(shares[r]))) for r in named}
+            current = {(int(r), "warning") for r in named}  # the two rules of the alert: every straggler,
+            current |= {(int(r), "critical") for r in named if severity(float(shares[r])) == "critical"}
             for key in current:
                 held[key] = held.get(key, 0) + 1
                 run.first_named_s.setdefault(key[0], now_s)
