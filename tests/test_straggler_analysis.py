@@ -28,7 +28,7 @@ from tensorplay.analysis.straggler import (
     MAX_RANKS_PER_JOB,
     MIN_LATENESS_S,
     SPREAD_FLOOR,
-    TWO_RANKS_SPREAD,
+    SMALL_JOB_SPREAD,
     WINDOW_S,
     WINDOWS,
     RankWait,
@@ -266,17 +266,25 @@ def test_the_threshold_follows_the_peers_spread() -> None:
     assert straggler_verdict(job([0.50, 0.47, 0.53, 0.50, 0.52, 0.48, 0.51, 0.35])).ranks == (7,)
 
 
-def test_a_two_rank_job_is_taken_to_spread_as_a_loaded_host_does() -> None:
+def test_jobs_of_two_and_three_ranks_are_taken_to_spread_as_a_loaded_host_does() -> None:
     # One peer: its share is 0 and nothing spreads; the threshold is k(2) x 8 % = 28 %.
     assert job_noise([0.0, 0.3]).spread == 0.0 and job_noise([0.0, 0.3]).threshold == pytest.approx(
-        noise_multiplier(2) * TWO_RANKS_SPREAD)
+        noise_multiplier(2) * SMALL_JOB_SPREAD)
     verdict = straggler_verdict([_steady(0, 0.5, 30, 1.0), _steady(1, 0.21, 30, 1.0)])  # 29 %
     assert verdict.ranks == (1,) and verdict.severity == "critical"
-    assert "one peer, no spread to measure: the job's noise is taken to explain up to 28 % (3.5 x ±8 %" in verdict.evidence
+    assert ("one peer, too few to measure a spread by: the job's noise is taken to explain up to 28 % (3.5 x ±8 %, "
+            "a 2-rank job's)") in verdict.evidence
     assert straggler_verdict([_steady(0, 0.5, 30, 1.0), _steady(1, 0.23, 30, 1.0)]).ranks == ()  # 27 %
-    # Three ranks measure a spread: the two peers' difference; 8 % late is named when they agree.
-    three = [_steady(0, 0.5, 30, 1.0), _steady(1, 0.5, 30, 1.0), _steady(2, 0.42, 30, 1.0)]
-    assert straggler_verdict(three).ranks == (2,)
+    # Two peers: half their difference, at least 8 %: 3.59 x 8 % = 29 %.
+    def three(late: float, other: float = 0.5) -> list[RankWait]:
+        return [_steady(0, 0.5, 30, 1.0), _steady(1, other, 30, 1.0), _steady(2, 0.5 - late, 30, 1.0)]
+
+    assert straggler_verdict(three(0.30)).ranks == (2,) and straggler_verdict(three(0.27)).ranks == ()
+    # Two peers 30 % apart measure more than the floor: 1.4826 x 15 % x 3.59 = 80 %.
+    assert job_noise(shares_of([0.5, 0.2, 0.0])).spread == pytest.approx(1.4826 * 0.15)
+    assert straggler_verdict(three(0.5, other=0.2)).ranks == ()
+    # Four ranks: three peers, the floor is 2 %.
+    assert job_noise([0.0, 0.0, 0.0, 0.3]).threshold == pytest.approx(noise_multiplier(4) * SPREAD_FLOOR)
 
 
 def test_the_verdict_keeps_to_the_cost_floor_the_cap_and_enough_steps() -> None:

@@ -15,8 +15,8 @@ deploy/README.md, "Straggler rule"):
 * the job's noise is the robust spread of the *peers'* shares (every rank but the one with the
   highest share, whose shares have median 0 by construction): ``1.4826 x`` their median absolute
   share (:data:`MAD_TO_SIGMA`: the median absolute deviation scaled to a normal's standard
-  deviation), never less than :data:`SPREAD_FLOOR`. A 2-rank job has one peer, whose share is 0:
-  its spread cannot be measured and the floor is its spread;
+  deviation), never less than :data:`SPREAD_FLOOR`. A job of 2 or 3 ranks has one or two peers,
+  whose shares say at most one difference: its spread is taken to be at least :data:`SMALL_JOB_SPREAD`;
 * the threshold is ``k`` times that spread, ``k`` = :func:`noise_multiplier` of the number of
   ranks: the normal quantile that a job's largest healthy rank passes less than
   :data:`FALSE_ALARMS_PER_DAY` times a day (the formula and its assumptions are in
@@ -48,7 +48,8 @@ __all__ = [
     "WINDOW_S",
     "WINDOWS",
     "SPREAD_FLOOR",
-    "TWO_RANKS_SPREAD",
+    "SMALL_JOB_RANKS",
+    "SMALL_JOB_SPREAD",
     "MAD_TO_SIGMA",
     "MIN_LATENESS_S",
     "CRITICAL_SHARE",
@@ -81,11 +82,15 @@ WINDOWS = 3
 SPREAD_FLOOR = 0.02
 """The least spread of the peers' shares the rule assumes (2 % of every step): a very tight job is judged
 as if its healthy ranks spread this much."""
-TWO_RANKS_SPREAD = 0.08
-"""The spread a 2-rank job is taken to have: its one peer's share is 0 by construction, so nothing can be
-measured. 8 %: what the ranks of a short run spread on a loaded shared host (the demo's 4 ranks on 2 busy
-cores: up to ±9 % per block), so that a 2-rank straggler is named from 3.5 x 8 % = 28 % of every step, over
-the 10-14 % by which one rank of a plain 2-rank demo beside a 3-rank one can be later in every block."""
+SMALL_JOB_RANKS = 3
+"""A job of this many ranks or fewer has too few peers to measure a spread by: a 2-rank job's one peer has
+share 0 by construction (nothing to measure), a 3-rank job's two peers one difference between them."""
+SMALL_JOB_SPREAD = 0.08
+"""The least spread such a job is taken to have. 8 %: what the ranks of a short run spread on a loaded
+shared host (the demo's 4 ranks on 2 busy cores: up to ±9 % per block), so that a straggler of 2 or 3 ranks
+is named from 3.5-3.6 x 8 % = 28-29 % of every step, over the 10-14 % by which one rank of a plain 2-rank
+demo beside a 3-rank one can be later in every block, or the two healthy ranks of a 3-rank demo can differ
+in a block of a few steps."""
 MAD_TO_SIGMA = 1.4826
 """The median absolute deviation of a normal distribution is its standard deviation / 1.4826."""
 MIN_LATENESS_S = 0.002
@@ -165,14 +170,16 @@ class Noise:
 
     ranks: int
     spread: float
-    """The peers' spread as measured: 1.4826 x their median absolute share (0 for a 2-rank job)."""
+    """The peers' spread as measured: 1.4826 x their median absolute share (0 for a 2-rank job, half the
+    difference of the two peers' for 3 ranks)."""
     multiplier: float
     """``k`` for this many ranks (:func:`noise_multiplier`)."""
 
     @property
     def floor(self) -> float:
-        """The least spread taken: :data:`TWO_RANKS_SPREAD` for 2 ranks, else :data:`SPREAD_FLOOR`."""
-        return TWO_RANKS_SPREAD if self.ranks == 2 else SPREAD_FLOOR
+        """The least spread taken: :data:`SMALL_JOB_SPREAD` up to :data:`SMALL_JOB_RANKS` ranks, else
+        :data:`SPREAD_FLOOR`."""
+        return SMALL_JOB_SPREAD if self.ranks <= SMALL_JOB_RANKS else SPREAD_FLOOR
 
     @property
     def floored(self) -> bool:
@@ -347,9 +354,10 @@ def _ms(seconds: float) -> str:
 
 def _noise_words(noise: Noise) -> str:
     """The job's noise and the line it draws: "its peers spread ±0.3 %, so the job's noise explains up to 6 % (...)"."""
-    if noise.ranks == 2:
-        return (f"one peer, no spread to measure: the job's noise is taken to explain up to {_percent(noise.threshold)} "
-                f"({noise.multiplier:.1f} x ±{100 * noise.floor:.0f} %, a 2-rank job's)")
+    if noise.ranks <= SMALL_JOB_RANKS and noise.floored:
+        peers = "one peer" if noise.ranks == 2 else "two peers"
+        return (f"{peers}, too few to measure a spread by: the job's noise is taken to explain up to "
+                f"{_percent(noise.threshold)} ({noise.multiplier:.1f} x ±{100 * noise.floor:.0f} %, a {noise.ranks}-rank job's)")
     used = "the floor" if noise.floored else "their spread"
     return (f"its peers spread ±{100 * noise.spread:.1f} %, so the job's noise explains up to "
             f"{_percent(noise.threshold)} ({noise.multiplier:.1f} x ±{100 * max(noise.spread, noise.floor):.1f} %, {used})")
