@@ -55,7 +55,6 @@ __all__ = [
     "CRITICAL_SHARE",
     "MAX_RANKS_PER_JOB",
     "evaluations_per_day",
-    "normal_quantile",
     "noise_multiplier",
     "shares_of",
     "Noise",
@@ -121,13 +120,6 @@ def _quantile_of_t(t: float) -> float:
     return t - numerator / denominator
 
 
-def normal_quantile(tail: float) -> float:
-    """The z a standard normal exceeds with probability ``tail`` (0 < tail <= 0.5), as the rule file computes it."""
-    if not 0.0 < tail <= 0.5:
-        raise ValueError(f"a tail probability in (0, 0.5] is needed, got {tail}")
-    return _quantile_of_t(_tail_t(tail))
-
-
 def noise_multiplier(ranks: int, windows: int = WINDOWS, interval_s: float = EVALUATION_INTERVAL_S,
                      false_alarms_per_day: float = FALSE_ALARMS_PER_DAY) -> float:
     """``k``: how many spreads above its peers a rank's share must be, for a job of ``ranks`` ranks.
@@ -145,7 +137,7 @@ def noise_multiplier(ranks: int, windows: int = WINDOWS, interval_s: float = EVA
     ``k`` keeps each under half of :data:`FALSE_ALARMS_PER_DAY` (``F``, for a job that runs a
     day): the larger of ``z(F / 2N)`` and ``z((F / 2NE)^(1/W))``. With 3 windows the first is the
     larger for every ``N`` (it is whenever ``(2N/F)^(W-1) >= E``), so the rule file writes only
-    ``z(F / 2N)``; with one window ``k`` would be ``z(F / 2NE)``: 6.4 instead of 4.9 at 10,000 ranks.
+    ``z(F / 2N)``; with one window ``k`` would be ``z(F / 2NE)``: 6.7 instead of 5.3 at 10,000 ranks.
     """
     if ranks < 1:
         raise ValueError(f"a job has at least one rank, got {ranks}")
