@@ -203,3 +203,21 @@ def test_the_dashboards_default_view_draws_a_bounded_number_of_ranks(backfilled)
     (job,) = [j for j in jobs.values() if j.scenario.slow_factor >= 1.5 and len(j.scenario.slow_ranks) == 1]
     top = [ranks for title, ranks in drawn_by_panel.items() if title.startswith("Straggler share of every step: highest")]
     assert top and (job.scenario.job, str(job.scenario.slow_ranks[0])) in top[0]
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "pareto"])
+def test_the_step_spreads_are_what_they_say(kind: str) -> None:
+    """The synthetic jobs' spreads: mean ~1 and standard deviation ~sigma; the heavy-tailed one has its
+    tail (about one draw in a thousand 10 spreads above the mean) and nothing absurd beyond it."""
+    draws = Spread(0.1, kind).draw(np.random.default_rng(3), (400, 5000)).astype(float)
+    assert draws.mean() == pytest.approx(1.0 if kind == "pareto" else np.exp(0.005), abs=2e-3)
+    assert draws.std() == pytest.approx(0.1, rel=0.05)
+    tail = (draws > 2.0).mean()
+    if kind == "lognormal":
+        assert tail == 0.0
+        return
+    assert 5e-4 < tail < 2e-3
+    # 20 million draws (a 10,000-rank job's 2,000 steps): none ~10^4 spreads long. Drawn from float32
+    # uniforms, this seed gave one (a uniform of exactly 0, clipped): a step of 1,155 times the mean.
+    rng = np.random.default_rng(0)
+    assert max(float(Spread(0.1, kind).draw(rng, (2000, 1000)).max()) for _ in range(10)) < 1000
