@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT))
 from tensorplay.analysis.straggler import MIN_LATENESS_S, job_noise, shares_of  # noqa: E402
 from tensorplay.telemetry.names import Metric  # noqa: E402
 from tests.alert_firing import firing, notifications  # noqa: E402
-from tests.alert_rules import RULE_FILES, alerts  # noqa: E402
+from tests.alert_rules import RULE_FILES, alert_rules  # noqa: E402
 from tests.backfill import aligned_start, backfilled_prometheus, evaluation_time  # noqa: E402
 from tests.dashboard_queries import dashboard_queries  # noqa: E402
 from tests.prometheus_server import PrometheusServer  # noqa: E402
@@ -88,25 +88,26 @@ QUERY_BUDGET_S = 20.0  # stop repeating a query once its runs took this long tog
 
 
 def alert_table(server: PrometheusServer, scenarios: list[Scenario], at: float) -> None:
-    print(f"  {'alert':<30} {'job (scenario)':<22} {'ranks':>6}  {'first ranks':<40} {'alerts':>6} {'notif.':>6}")
+    print(f"  {'alert':<36} {'job (scenario)':<22} {'ranks':>6}  {'first ranks':<40} {'alerts':>6} {'notif.':>6}")
     silent = []
-    for name, rule in alerts().items():
+    for rule in alert_rules():
         fired = firing(server, rule, at, SCRAPE_INTERVAL_S)
+        name = rule["alert"] + (f" ({rule['labels']['severity']})" if rule["alert"] == "TensorplayStragglerRank" else "")
         if not fired:
             silent.append(name)
-            if name != "TensorplayStragglerRank":
+            if not name.startswith("TensorplayStragglerRank"):
                 continue  # the straggler alert's silence on most jobs is the point: shown per job
         for scenario in scenarios:
             of_job = [a for a in fired if a.labels.get("job") == scenario.job]
             ranks = sorted({int(a.labels["rank"]) for a in of_job if "rank" in a.labels})
-            if not of_job and name != "TensorplayStragglerRank":
+            if not of_job and not name.startswith("TensorplayStragglerRank"):
                 continue
             first = ", ".join(map(str, ranks[:SHOWN_RANKS])) + (" ..." if len(ranks) > SHOWN_RANKS else "")
             hooks = sorted({a.labels["hook"] for a in of_job if "hook" in a.labels})
             first += f" ({len(hooks)} hooks)" if len(hooks) > 1 else ""
-            print(f"  {name:<30} {scenario.job:<22} {len(ranks):>6}  {first or '-':<40} {len(of_job):>6} "
+            print(f"  {name:<36} {scenario.job:<22} {len(ranks):>6}  {first or '-':<40} {len(of_job):>6} "
                   f"{notifications(of_job):>6}")
-    print(f"  silent on every job: {', '.join(n for n in silent if n != 'TensorplayStragglerRank') or '-'}")
+    print(f"  silent on every job: {', '.join(n for n in silent if not n.startswith('TensorplayStragglerRank')) or '-'}")
 
 
 # -- timing ---------------------------------------------------------------------------------------

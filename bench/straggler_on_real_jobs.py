@@ -15,6 +15,7 @@ Run from the repository root (needs prometheus: apt-get install prometheus), one
     python bench/straggler_on_real_jobs.py --steps 1200 -- --straggler-rank 1 --straggler-kind batch --straggler-batch-factor 6
     python bench/straggler_on_real_jobs.py --steps 1200 -- --straggler-rank 2 --straggler-delay-ms 5
     python bench/straggler_on_real_jobs.py --steps 600 -- --straggler-rank 1 --straggler-kind batch
+    python bench/straggler_on_real_jobs.py --from-spans /tmp/straggler-real-job-XXXX/demo/run 1
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tensorplay.analysis.run import aggregate  # noqa: E402
+from tensorplay.analysis.span_reader import read_spans  # noqa: E402
+from tensorplay.analysis.straggler import MAD_TO_SIGMA, shares_of  # noqa: E402
 from tests.alert_rules import RULE_FILES  # noqa: E402
 from tests.demo_runs import start_demo  # noqa: E402
 from tests.prometheus_server import PrometheusServer  # noqa: E402
@@ -53,6 +59,40 @@ def scaled_rules(folder: Path, window_s: int) -> list[Path]:
 
 def _values(server: PrometheusServer, expr: str, scale: float = 100.0) -> dict[str, float]:
     return {s["metric"].get("rank", ""): round(scale * float(s["value"][1]), 2) for s in server.query(expr)}
+
+
+def _spreads_out(values: np.ndarray, row: int) -> tuple[float, float]:
+    """How far ``values[row]`` is above its peers' median, in their robust spread; and that spread."""
+    peers = np.delete(values, row)
+    spread = MAD_TO_SIGMA * float(np.median(np.abs(peers - np.median(peers))))
+    return (float(values[row]) - float(np.median(peers))) / max(spread, 1e-12), spread
+
+
+def separation(run_dir: Path, rank: int) -> str:
+    """The rank's lateness share, busy-time share and latest-to-arrive count, each against its peers'."""
+    spans = read_spans(run_dir)
+    run = aggregate(spans, 0)
+    hooks, row = spans.hooks, int(np.searchsorted(run.ranks, rank))
+    mine = hooks.model == 0
+    rows = np.searchsorted(run.ranks, hooks.rank[mine])
+    last_call = np.full((len(run.ranks), run.steps), -np.inf)
+    np.maximum.at(last_call, (rows, hooks.step[mine]), hooks.start_s[mine])
+    busy = (last_call[:, 1:] - run.step_end_s[:, :-1]).sum(axis=1)
+    period = (run.step_end_s[:, 1:] - run.step_end_s[:, :-1]).sum(axis=1)
+    busy_share = (busy - np.median(busy)) / period
+    waits = run.end_waits()
+    waited, seconds = (np.array([w.waits_s for w in waits]), np.array([w.steps_s for w in waits]))
+    lateness = shares_of(waited.sum(axis=1) / seconds.sum(axis=1))
+    per_step = shares_of(np.divide(waited, seconds, out=np.zeros_like(waited), where=seconds > 0))
+    latest = (np.argmax(per_step, axis=0)[None, :] == np.arange(len(run.ranks))[:, None]).mean(axis=1)
+    words = []
+    for name, values, unit in (("lateness share", lateness, "%"), ("busy-time share", busy_share, "%"),
+                               ("latest to arrive on", latest, "% of steps")):
+        out, spread = _spreads_out(values, row)
+        peers = ", ".join(f"{100 * v:.0f}" for v in np.delete(values, row))
+        apart = f"{out:.0f} spreads of ±{100 * spread:.2f}" if spread >= 1e-4 else "the peers' alike"
+        words.append(f"{name} {100 * values[row]:.1f} {unit} (peers {peers}; {apart})")
+    return f"rank {rank}: " + "; ".join(words)
 
 
 def run(world_size: int, steps: int, window_s: int, flags: list[str]) -> None:
@@ -91,6 +131,9 @@ def run(world_size: int, steps: int, window_s: int, flags: list[str]) -> None:
         for line in demo.stdout_path.read_text().splitlines():
             if line.startswith(("straggler:", "injected:")):
                 print(f"  {line}")
+        injected = re.search(r"--straggler-rank (\d+)", " ".join(flags))
+        if injected and demo.process.returncode == 0:
+            print(f"  {separation(demo.run_dir.path, int(injected.group(1)))}")
         print(f"  exit {demo.process.returncode}; spans and logs in {folder / 'demo'}", flush=True)
 
 
@@ -99,8 +142,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--window-s", type=int, default=20, help="the 5m windows scaled to this (default 20)")
+    parser.add_argument("--from-spans", nargs=2, metavar=("DIR", "RANK"), default=None,
+                        help="print the three figures of RANK from a run's span files, and exit")
     parser.add_argument("demo_flags", nargs="*", help="after --: the demo's straggler flags")
     args = parser.parse_args()
+    if args.from_spans:
+        print(separation(Path(args.from_spans[0]), int(args.from_spans[1])))
+        return
     run(args.world_size, args.steps, args.window_s, args.demo_flags)
 
 
