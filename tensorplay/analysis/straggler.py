@@ -18,20 +18,20 @@ deploy/README.md, "Straggler rule"):
   deviation), never less than :data:`SPREAD_FLOOR`. A job of 2 or 3 ranks has one or two peers,
   whose shares say at most one difference: its spread is taken to be at least :data:`SMALL_JOB_SPREAD`;
 * the threshold is ``k`` times that spread, ``k`` = :func:`noise_multiplier` of the number of
-  ranks: the normal quantile that a job's largest healthy rank passes less than
-  :data:`FALSE_ALARMS_PER_DAY` times a day (the formula and its assumptions are in
-  :func:`noise_multiplier`);
+  ranks: the normal quantile that keeps a healthy job under :data:`FALSE_ALARMS_PER_DAY` false
+  stragglers a day (the formula and its assumptions are in :func:`noise_multiplier`);
 * the rank also costs at least :data:`MIN_LATENESS_S` per step (tiny steps never page), and at
   most :data:`MAX_RANKS_PER_JOB` of a job are named, the highest shares;
-* its ``severity`` is ``critical`` from :data:`CRITICAL_SHARE` of every step, else ``warning``.
+* every straggler is a ``warning``, one that costs :data:`CRITICAL_SHARE` of every step or more
+  ``critical`` too (:func:`severity`: the higher; Alertmanager mutes the warning meanwhile).
 
 deploy/prometheus/rules/tensorplay.rules.yml writes the same rule in PromQL: one 5-minute window
 is ``job_rank:tensorplay_step_lateness:outlier_ratio5m``; the windows are the figure now,
 ``offset 5m`` and ``offset 10m``. A run the verdict judges is often tens of steps long: its
 windows are the compared steps split into :data:`WINDOWS` consecutive blocks, each judged as a
 5-minute window is (:func:`outliers`), and the rank must pass in every block.
-tests/test_straggler_analysis.py evaluates the rule file on a real Prometheus and this module on
-the same figures and checks that they agree.
+tests/test_straggler_analysis.py evaluates the rule files in ``promtool`` and this module on the
+same figures and checks that they agree.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def outliers(shares: Sequence[float] | np.ndarray, seconds_per_step: Sequence[fl
 
 
 def severity(share: float) -> str:
-    """The alert's severity for a straggler of this share of every step."""
+    """The alert's highest severity for a straggler of this share of every step."""
     return "critical" if share >= CRITICAL_SHARE else "warning"
 
 
