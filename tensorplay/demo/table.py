@@ -68,7 +68,8 @@ def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: Ru
               "end wait: mean wait in each step's last collective (tensorplay_step_wait_seconds_total);  "
               "costs the job: the share of every step its peers wait for it there (what the straggler verdict "
               "and TensorplayStragglerRank weigh);  latest on: steps at which it arrived last;  "
-              "median late: its lateness at the median step (a straggler is late on most steps, not a few)",
+              "median late: its lateness at the median step;  the verdict names a rank that costs more than the job's "
+              "own noise explains (k x the spread of the other ranks' shares) in each third of the steps",
               f"spans: {run_dir.path}/spans-rank*.jsonl"
               + (" on each node, its own ranks' (copy them into one directory for tensorplay report)" if nodes > 1 else ""),
               "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")
