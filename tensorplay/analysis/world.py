@@ -14,7 +14,7 @@ told and none is named.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -57,9 +57,9 @@ class World:
         if not self.missing or self.size is None:
             return verdict
         them = "it" if len(self.missing) == 1 else "them"
-        return Verdict(verdict.ranks, f"{rank_words(self.missing)} of {self.size} cannot be judged (no spans of {them} "
-                                      f"were read); of the other {self.size - len(self.missing)}: {verdict.evidence}",
-                       verdict.share)
+        return replace(verdict, evidence=f"{rank_words(self.missing)} of {self.size} cannot be judged (no spans of "
+                                         f"{them} were read); of the other {self.size - len(self.missing)}: "
+                                         f"{verdict.evidence}")
 
 
 def world(spans: Spans) -> World:
