@@ -374,5 +374,13 @@ def finisher() -> Finisher:
 
 
 def flush(timeout: float | None = 30.0) -> bool:
-    """Wait until every traced hook call so far has its metrics recorded and its span ended."""
-    return _finisher.flush(timeout)
+    """Wait until every traced hook call so far has its metrics recorded and its span ended.
+
+    A replica fingerprint whose device copy is still under way is published first (CUDA).
+    """
+    from .replica_sync import settle_fingerprint  # it hands its spans to this module: imported at use
+
+    started = time.monotonic()
+    settled = settle_fingerprint(timeout)
+    remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+    return _finisher.flush(remaining) and settled

@@ -149,6 +149,15 @@ class ModelsOfHook:
         with self._lock:
             return sum(ref() is not None for ref in self._models)
 
+    def parameters_of(self, model: ModelSteps) -> list[Any]:
+        """``model``'s parameters in the order its buckets first held them: bucket 0's first, as DDP laid them out.
+
+        The same order on every rank (DDP builds a model's first buckets from its parameter order,
+        and its one rebuild from rank 0's), whatever the buckets became later.
+        """
+        with self._lock:
+            return [parameter for parameter, models in self._by_parameter.items() if model in models]
+
     def _known(self, bucket: Any, buffer: Any) -> KnownBucket:
         """Place a buffer not seen before (or a bucket without one) and remember what it is."""
         index, last = bucket.index(), bucket.is_last()

@@ -4,6 +4,7 @@ __all__ = [
     "TRACER_NAME",
     "HOOK_SPAN_NAME",
     "JOIN_SPAN_NAME",
+    "OPTIMIZER_STEP_SPAN_NAME",
     "Attr",
     "Metric",
 ]
@@ -11,6 +12,7 @@ __all__ = [
 TRACER_NAME = "tensorplay"
 HOOK_SPAN_NAME = "tensorplay.comm_hook"
 JOIN_SPAN_NAME = "tensorplay.join"
+OPTIMIZER_STEP_SPAN_NAME = "tensorplay.optimizer_step"
 
 
 class Attr:
@@ -36,6 +38,10 @@ class Attr:
     JOIN_WAIT_MS = "tensorplay.join.wait_ms"
     JOIN_LAST_JOINER = "tensorplay.join.last_joiner"
     MODEL = "tensorplay.model"
+    OPTIMIZER_STEP = "tensorplay.optimizer.step"
+    OPTIMIZER_REDUCTIONS = "tensorplay.optimizer.reductions"
+    OPTIMIZER_UNREDUCED = "tensorplay.optimizer.unreduced"
+    REPLICA_FINGERPRINT = "tensorplay.replica.fingerprint"
 
 
 class Metric:
@@ -59,3 +65,9 @@ class Metric:
     STEP_WAIT = "tensorplay_step_wait_seconds"
     STEP_SECONDS = "tensorplay_step_seconds"
     STEPS = "tensorplay_steps"
+    # The contract, section 7.
+    OPTIMIZER_STEPS = "tensorplay_optimizer_steps"
+    GRADIENT_REDUCTIONS = "tensorplay_gradient_reductions"
+    UNREDUCED_OPTIMIZER_STEPS = "tensorplay_unreduced_optimizer_steps"
+    REPLICA_FINGERPRINT = "tensorplay_replica_fingerprint"
+    REPLICA_FINGERPRINT_STEP = "tensorplay_replica_fingerprint_step"

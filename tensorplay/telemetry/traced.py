@@ -6,14 +6,15 @@ start time (the span itself is started where :mod:`.finish` finishes the record)
 :class:`~tensorplay.telemetry.recorder.BucketRecord` and installs it as the probe's recorder, so
 tensorplay's hooks report their own collectives and compression (a user's hook gets bucket
 sizes and latency), runs the very same hook (same gradients, bit for bit), and chains one plain
-``then`` on its future that hands the record to :mod:`.finish`. With no SDK tracer provider and
-metrics off, a call costs a few attribute reads and the hook runs untouched.
+``then`` on its future that hands the record to :mod:`.finish`. At the last bucket of a model's
+iteration it tells :mod:`.replica_sync`, which counts gradient reductions against optimizer steps.
+With no SDK tracer provider and metrics off, a call costs a few attribute reads and the hook runs
+untouched.
 """
 
 import copy
 import logging
 import operator
-import os
 import time
 from typing import Any, Callable, Optional
 
@@ -21,13 +22,15 @@ import torch
 import torch.distributed as dist
 from opentelemetry import trace
 
-from . import probe
+from . import probe, replica_sync
 from .finish import OwnedSpan, finisher
 from .metrics import TensorplayMetrics, active_metrics
 from .model_identity import CallPlace, ModelsOfHook
 from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord
+from .settings import steps_from_environment
 from .timing import stamp
+from .tracing import may_record
 from .tracing import tracer as default_tracer
 
 __all__ = ["traced", "DEFAULT_ERROR_EVERY"]
@@ -98,20 +101,9 @@ def traced(
 
 def _error_every_from_environment() -> int:
     """``TENSORPLAY_ERROR_EVERY`` as a number of steps; unset or empty (as OpenTelemetry reads its variables) is 25."""
-    raw = os.environ.get(_ERROR_EVERY_ENV, "").strip()
-    if not raw:
-        return DEFAULT_ERROR_EVERY
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"{_ERROR_EVERY_ENV}={os.environ[_ERROR_EVERY_ENV]!r} is not a number of steps: set it to a whole "
-            f"number >= 0 (0: never sample the compression error, 1: every step, N: every N-th step), "
-            f"or leave it unset or empty for the default, {DEFAULT_ERROR_EVERY}"
-        )
-    return value
+    return steps_from_environment(
+        _ERROR_EVERY_ENV, DEFAULT_ERROR_EVERY, "0: never sample the compression error, 1: every step, N: every N-th step"
+    )
 
 
 def _rebuilt(hook: Hook, error_every: int) -> Hook:
@@ -143,6 +135,7 @@ class _TracedHook:
         self._tracer_provider = tracer_provider
         self._own_tracer = default_tracer(tracer_provider) if tracer_provider is not None else None
         self._models = ModelsOfHook()
+        replica_sync.watch_optimizer_steps()
         self.__wrapped__ = hook
         self.__doc__ = getattr(hook, "__doc__", None)
         self.__module__ = getattr(hook, "__module__", __name__)
@@ -176,6 +169,9 @@ class _TracedHook:
             raise
         finally:
             probe.uninstall_recorder(token)
+        if place.last_of_step:
+            launched = not self._reports_collectives or bool(record.launches)  # noop_hook reduces nothing
+            replica_sync.model_iteration_reduced(self._models, place.model, record, self._tracer_provider, launched)
         try:
             return record.follow(future, bucket, finisher().completed)
         except Exception:  # telemetry must never break training: hand DDP the hook's own future
@@ -193,7 +189,7 @@ class _TracedHook:
         try:
             metrics = self._metrics if self._metrics is not None else active_metrics()
             tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
-            if metrics is None and not _may_record(tracer):
+            if metrics is None and not may_record(tracer):
                 return None
             layout = place.bucket.layout
             if layout is None:
@@ -224,7 +220,7 @@ class _TracedHook:
             )
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
-            if tracer is not None and _may_record(tracer):  # the call still gets its span, marked incomplete
+            if tracer is not None and may_record(tracer):  # the call still gets its span, marked incomplete
                 span = OwnedSpan.later(tracer, HOOK_SPAN_NAME, time.time_ns())
                 finisher().abandoned(span, incomplete="tensorplay could not start recording this hook call")
             return None
@@ -234,19 +230,6 @@ class _TracedHook:
         except Exception:
             record.note_failure("last_step_timestamp")
         return record
-
-
-def _may_record(tracer: trace.Tracer) -> bool:
-    """Whether ``tracer`` may record spans, told without starting one: not OpenTelemetry's no-op.
-
-    A ``ProxyTracer`` is what the API hands out while no SDK provider is set (a provider set
-    later is picked up at the next call, since the tracer is looked up at every call).
-    """
-    if isinstance(tracer, trace.NoOpTracer):
-        return False
-    if isinstance(tracer, trace.ProxyTracer):
-        return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
-    return True
 
 
 def _world_size(state: Any) -> int:

@@ -1,0 +1,423 @@
+"""Is every gradient reduced, once, and are the replicas still equal? On real gloo ranks.
+
+Every scenario runs in one spawn of two ranks (the ``outcomes`` fixture), one after the other, each
+with a traced hook reporting to a sink of its own (tests/sink.py: its metrics and an in-memory
+span exporter). The replicas are fingerprinted every 2 optimizer steps (``TENSORPLAY_FINGERPRINT_EVERY``);
+each counted optimizer step is a ``tensorplay.optimizer_step`` span, so a scenario's outcome is
+its counters as served, and per step what it reduced and its fingerprint. A scenario's models
+are freed before the next one, so no fingerprint covers another scenario's model. Steps are
+numbered per process: each scenario numbers an even count of them, and the tests read the
+numbers from the scenario's first step on.
+"""
+
+
+import contextlib
+import gc
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tensorplay.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from tensorplay.distributed.algorithms.join import Join
+from tensorplay.telemetry import flush
+from tensorplay.telemetry.names import OPTIMIZER_STEP_SPAN_NAME, Attr, Metric
+
+from .ranks import run_ranks
+from .sink import MemorySink, memory_sink
+from .training import BUCKET_CAP_MB, WIDTH, make_model, rank_batch
+
+WORLD_SIZE = 2
+EVERY = 2  # TENSORPLAY_FINGERPRINT_EVERY in the ranks
+STEPS = 4
+MICRO_BATCHES = 3
+
+
+def _loss(model: nn.Module, rank: int, index: int) -> torch.Tensor:
+    return model(rank_batch(rank, index)).square().mean()
+
+
+def _ddp(hook: Callable, sink: MemorySink, seed: int = 0) -> DDP:
+    model = DDP(make_model(seed), bucket_cap_mb=BUCKET_CAP_MB)
+    model.register_comm_hook(None, sink.traced(hook))
+    return model
+
+
+def _plain_training(rank: int, hook: Callable, optimizer: Callable[[nn.Module], Any] | None = None) -> dict:
+    """STEPS steps of one traced model, one backward each."""
+    sink = memory_sink()
+    model = _ddp(hook, sink)
+    stepping = optimizer(model) if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        stepping.zero_grad()
+        _loss(model, rank, step).backward()
+        stepping.step()
+    return _outcome(sink, rank)
+
+
+def _outcome(sink: MemorySink, rank: int) -> dict[str, Any]:
+    """What the scenario's sink holds: the counters and fingerprint pair as served, and every step's span."""
+    assert flush(30)
+    labels = {"rank": str(rank)}
+    served = {name: sink.sample(f"{name}_total", **labels)
+              for name in (Metric.OPTIMIZER_STEPS, Metric.GRADIENT_REDUCTIONS, Metric.UNREDUCED_OPTIMIZER_STEPS)}
+    served["pair"] = (sink.sample(Metric.REPLICA_FINGERPRINT_STEP, **labels), sink.sample(Metric.REPLICA_FINGERPRINT, **labels))
+    steps = [{key.removeprefix("tensorplay."): value for key, value in span.items()}
+             for span in sink.spans(OPTIMIZER_STEP_SPAN_NAME)]
+    return {"served": served, "steps": steps}
+
+
+def _settled() -> None:
+    """The scenario's models and optimizers are gone: none of them is in a later fingerprint."""
+    gc.collect()
+
+
+# -- the scenarios (each on every rank) -----------------------------------------------------------
+
+
+def _accumulating(rank: int, forward_inside_no_sync: bool) -> dict:
+    """STEPS steps of MICRO_BATCHES micro-batches each, all but the last inside no_sync()."""
+    sink = memory_sink()
+    model = _ddp(allreduce_hook, sink)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for micro in range(MICRO_BATCHES):
+            unsynced = contextlib.nullcontext() if micro == MICRO_BATCHES - 1 else model.no_sync()
+            if forward_inside_no_sync:
+                with unsynced:
+                    _loss(model, rank, step * MICRO_BATCHES + micro).backward()
+            else:
+                loss = _loss(model, rank, step * MICRO_BATCHES + micro)
+                with unsynced:
+                    loss.backward()
+        optimizer.step()
+    return _outcome(sink, rank)
+
+
+def accumulation_done_right(rank: int) -> dict:
+    """no_sync() wraps the forward and the backward: one reduction per step."""
+    return _accumulating(rank, forward_inside_no_sync=True)
+
+
+def no_sync_around_the_backward_only(rank: int) -> dict:
+    """no_sync() wraps the backward but not the forward: DDP decided at the forward, so every micro-batch reduces."""
+    return _accumulating(rank, forward_inside_no_sync=False)
+
+
+def no_sync_that_never_ends(rank: int) -> dict:
+    """The first step is reduced; then no_sync() is entered and never left: every rank steps on its own gradients."""
+    sink = memory_sink()
+    model = _ddp(allreduce_hook, sink)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    never_left = model.no_sync()
+    for step in range(STEPS):
+        if step == 1:
+            never_left.__enter__()
+        optimizer.zero_grad()
+        _loss(model, rank, step).backward()
+        optimizer.step()
+    never_left.__exit__(None, None, None)
+    return _outcome(sink, rank)
+
+
+def _scaled_on_rank1(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A user's hook that all-reduces, then averages on rank 0 but keeps the sum on rank 1."""
+    divisor = dist.get_world_size() if dist.get_rank() == 0 else 1
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(divisor))
+
+
+def custom_hook_reduces_differently_on_one_rank(rank: int) -> dict:
+    return _plain_training(rank, _scaled_on_rank1)
+
+
+def noop_hook_reduces_nothing(rank: int) -> dict:
+    return _plain_training(rank, noop_hook)
+
+
+def actor_and_critic_under_one_optimizer(rank: int) -> dict:
+    """Two DDP models, one traced hook each, one optimizer over both: one step per iteration, two reductions."""
+    sink = memory_sink()
+    actor, critic = _ddp(allreduce_hook, sink, seed=1), _ddp(allreduce_hook, sink, seed=2)
+    optimizer = torch.optim.SGD([*actor.parameters(), *critic.parameters()], lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        (_loss(actor, rank, step) + critic(actor(rank_batch(rank, 100 + step)).detach()).square().mean()).backward()
+        optimizer.step()
+    return _outcome(sink, rank)
+
+
+def gan_with_two_optimizers(rank: int) -> dict:
+    """A GAN: the generator's loss is backpropagated through the discriminator (which reduces too), then
+    the discriminator trains on real and fake: two optimizer steps per iteration, three reductions."""
+    sink = memory_sink()
+    generator, discriminator = _ddp(allreduce_hook, sink, seed=3), _ddp(allreduce_hook, sink, seed=4)
+    g_optimizer = torch.optim.SGD(generator.parameters(), lr=0.01)
+    d_optimizer = torch.optim.SGD(discriminator.parameters(), lr=0.01)
+    for step in range(STEPS):
+        fake = generator(rank_batch(rank, step))
+        g_optimizer.zero_grad()
+        discriminator(fake).mean().backward()
+        g_optimizer.step()
+        d_optimizer.zero_grad()
+        real = rank_batch(rank, 100 + step)
+        discriminator(torch.cat([real, fake.detach()])).square().mean().backward()
+        d_optimizer.step()
+    return _outcome(sink, rank)
+
+
+def zero_redundancy_optimizer(rank: int) -> dict:
+    """ZeRO steps its local optimizer on this rank's shard, then broadcasts the shards: one step, equal replicas."""
+    return _plain_training(rank, allreduce_hook, lambda model: ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1))
+
+
+def grad_scaler_skips_a_step(rank: int) -> dict:
+    """Step 1's loss is infinite on rank 1: its gradients, reduced, are on every rank, and the scaler skips the step there."""
+    sink = memory_sink()
+    model = _ddp(allreduce_hook, sink)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    for step in range(STEPS + 1):
+        optimizer.zero_grad()
+        loss = _loss(model, rank, step) * (float("inf") if step == 1 and rank == 1 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return _outcome(sink, rank)
+
+
+def uneven_inputs_in_join_then_even(rank: int) -> dict:
+    """In Join, rank r trains 3 + 2r batches (rank 0 shadows 2 iterations and steps nothing meanwhile), then
+    both train 5 more: rank 0's step numbers count its peer's steps while it shadowed, so the ranks'
+    fingerprints of the same step number are of the same training step."""
+    sink = memory_sink()
+    model = _ddp(allreduce_hook, sink)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model]):
+        for step in range(3 + 2 * rank):
+            optimizer.zero_grad()
+            _loss(model, rank, step).backward()
+            optimizer.step()
+    for step in range(STEPS + 1):
+        optimizer.zero_grad()
+        _loss(model, rank, 50 + step).backward()
+        optimizer.step()
+    return _outcome(sink, rank)
+
+
+class _Gate:
+    """A CUDA event's stand-in: it has not happened until the test opens it (the data it guards is real)."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def query(self) -> bool:
+        return self.open
+
+
+def fingerprint_copied_later(rank: int) -> dict:
+    """The sample's copy (a device's, in effect) completes only after the step: the fingerprint is served at
+    the next step, with the step it was taken after; the last one by flush()."""
+    from tensorplay.telemetry import fingerprint, replica_sync
+
+    gates: list[_Gate] = []
+    real_take = replica_sync.take_sample
+
+    def copied_later(parameters: Any, indices: Any) -> fingerprint.Sample:
+        sample = real_take(parameters, indices)
+        gates.append(_Gate())
+        return fingerprint.Sample(sample.chunks, [gates[-1]])
+
+    replica_sync.take_sample = copied_later
+    try:
+        sink = memory_sink()
+        model = _ddp(allreduce_hook, sink)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        served = []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            _loss(model, rank, step).backward()
+            optimizer.step()
+            served.append(sink.sample(Metric.REPLICA_FINGERPRINT_STEP, rank=str(rank)))
+            if step < STEPS - 1:  # the copies of the steps so far are done by the next step ...
+                for gate in gates:
+                    gate.open = True
+        served.append(sink.sample(Metric.REPLICA_FINGERPRINT_STEP, rank=str(rank)))  # ... not the last one's
+        gates[-1].open = True
+        outcome = _outcome(sink, rank)  # flush(): publishes it
+    finally:
+        replica_sync.take_sample = real_take
+    return {**outcome, "served after each step": served}
+
+
+SCENARIOS: dict[str, Callable[[int], dict]] = {
+    scenario.__name__: scenario
+    for scenario in (
+        accumulation_done_right,
+        no_sync_around_the_backward_only,
+        no_sync_that_never_ends,
+        custom_hook_reduces_differently_on_one_rank,
+        noop_hook_reduces_nothing,
+        actor_and_critic_under_one_optimizer,
+        gan_with_two_optimizers,
+        zero_redundancy_optimizer,
+        grad_scaler_skips_a_step,
+        uneven_inputs_in_join_then_even,
+        fingerprint_copied_later,
+    )
+}
+
+
+def _every_scenario(rank: int, world_size: int) -> dict[str, dict]:
+    os.environ["TENSORPLAY_FINGERPRINT_EVERY"] = str(EVERY)  # read when the first hook is traced
+    outcomes = {}
+    for name, scenario in SCENARIOS.items():
+        outcomes[name] = scenario(rank)
+        _settled()
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, list[dict]]:
+    """``{scenario: [rank 0's outcome, rank 1's]}``."""
+    by_rank = run_ranks(_every_scenario, WORLD_SIZE, timeout=300)
+    return {name: [by_rank[rank][name] for rank in range(WORLD_SIZE)] for name in SCENARIOS}
+
+
+# -- reading the outcomes ---------------------------------------------------------------------------
+
+
+def _counters(outcome: dict) -> tuple[float, float, float]:
+    served = outcome["served"]
+    return (served[Metric.OPTIMIZER_STEPS], served[Metric.GRADIENT_REDUCTIONS], served[Metric.UNREDUCED_OPTIMIZER_STEPS])
+
+
+def _reductions_per_step(outcome: dict) -> list[int]:
+    return [step["optimizer.reductions"] for step in outcome["steps"]]
+
+
+def _base(outcome: dict) -> int:
+    """The step number before the scenario's first: numbers run on across a process's scenarios."""
+    return outcome["steps"][0]["optimizer.step"] - 1
+
+
+def _numbers(outcome: dict) -> list[int]:
+    """The scenario's step numbers, from 1 at its first step."""
+    return [step["optimizer.step"] - _base(outcome) for step in outcome["steps"]]
+
+
+def _fingerprints(outcome: dict) -> dict[int, int]:
+    """``{step number (from the scenario's first): fingerprint}`` of the steps fingerprinted, checked:
+    every step whose number is a multiple of 2, an integer below 2^53, the latest one served."""
+    steps = outcome["steps"]
+    fingerprints = {step["optimizer.step"]: step["replica.fingerprint"] for step in steps if "replica.fingerprint" in step}
+    assert sorted(fingerprints) == [s["optimizer.step"] for s in steps if s["optimizer.step"] % EVERY == 0], steps
+    assert fingerprints and all(0 <= value < 2**53 for value in fingerprints.values())
+    last = max(fingerprints)
+    assert outcome["served"]["pair"] == (last, fingerprints[last])  # the gauges: the latest, exactly
+    return {number - _base(outcome): value for number, value in fingerprints.items()}
+
+
+def _agreement(outcomes: list[dict]) -> dict[int, bool]:
+    """``{step number both ranks fingerprinted: whether their fingerprints are equal}``."""
+    assert len({_base(outcome) for outcome in outcomes}) == 1  # the ranks' numbers agree before the scenario
+    first, second = (_fingerprints(outcome) for outcome in outcomes)
+    common = sorted(set(first) & set(second))
+    assert common, (first, second)
+    return {step: first[step] == second[step] for step in common}
+
+
+# -- the tests --------------------------------------------------------------------------------------
+
+
+def test_accumulation_done_right_reduces_once_per_step_and_the_replicas_stay_equal(outcomes) -> None:
+    for rank, outcome in enumerate(outcomes["accumulation_done_right"]):
+        assert _counters(outcome) == (STEPS, STEPS, 0), rank
+        assert _reductions_per_step(outcome) == [1] * STEPS
+        assert [step["optimizer.unreduced"] for step in outcome["steps"]] == [False] * STEPS
+        assert {step["rank"] for step in outcome["steps"]} == {rank}
+    assert all(_agreement(outcomes["accumulation_done_right"]).values())
+
+
+def test_no_sync_around_the_backward_only_reduces_every_micro_batch(outcomes) -> None:
+    for outcome in outcomes["no_sync_around_the_backward_only"]:
+        assert _counters(outcome) == (STEPS, STEPS * MICRO_BATCHES, 0)
+        assert _reductions_per_step(outcome) == [MICRO_BATCHES] * STEPS
+    assert all(_agreement(outcomes["no_sync_around_the_backward_only"]).values())  # wasteful, not wrong
+
+
+def test_a_no_sync_that_never_ends_leaves_steps_unreduced_and_the_replicas_apart(outcomes) -> None:
+    for outcome in outcomes["no_sync_that_never_ends"]:
+        assert _counters(outcome) == (STEPS, 1, STEPS - 1)
+        assert _reductions_per_step(outcome) == [1] + [0] * (STEPS - 1)
+        assert [step["optimizer.unreduced"] for step in outcome["steps"]] == [False] + [True] * (STEPS - 1)
+    agreement = _agreement(outcomes["no_sync_that_never_ends"])
+    assert not any(agreement.values()), agreement  # from the first fingerprint after step 1, every one
+
+
+def test_a_hook_that_reduces_differently_on_one_rank_sets_the_replicas_apart(outcomes) -> None:
+    for outcome in outcomes["custom_hook_reduces_differently_on_one_rank"]:
+        assert _counters(outcome) == (STEPS, STEPS, 0)  # a user's hook is taken to reduce: it did
+    agreement = _agreement(outcomes["custom_hook_reduces_differently_on_one_rank"])
+    assert not any(agreement.values()), agreement
+
+
+def test_noop_hook_reduces_nothing(outcomes) -> None:
+    for outcome in outcomes["noop_hook_reduces_nothing"]:
+        assert _counters(outcome) == (STEPS, 0, STEPS)
+    assert not any(_agreement(outcomes["noop_hook_reduces_nothing"]).values())
+
+
+def test_one_optimizer_over_two_models_counts_a_step_and_both_reductions(outcomes) -> None:
+    for outcome in outcomes["actor_and_critic_under_one_optimizer"]:
+        assert _counters(outcome) == (STEPS, 2 * STEPS, 0)
+        assert _reductions_per_step(outcome) == [2] * STEPS
+    assert all(_agreement(outcomes["actor_and_critic_under_one_optimizer"]).values())
+
+
+def test_a_gan_counts_each_optimizers_steps_and_the_generators_backward_through_the_discriminator(outcomes) -> None:
+    for outcome in outcomes["gan_with_two_optimizers"]:
+        assert _counters(outcome) == (2 * STEPS, 3 * STEPS, 0)
+        assert _reductions_per_step(outcome) == [1, 2] * STEPS  # G's step, then D's (reduced in both backwards)
+    assert all(_agreement(outcomes["gan_with_two_optimizers"]).values())
+
+
+def test_zero_redundancy_optimizer_counts_one_step_after_its_broadcast(outcomes) -> None:
+    for outcome in outcomes["zero_redundancy_optimizer"]:
+        assert _counters(outcome) == (STEPS, STEPS, 0)  # not its local optimizer's step as well
+    assert all(_agreement(outcomes["zero_redundancy_optimizer"]).values())  # taken after the shards were broadcast
+
+
+def test_a_step_the_grad_scaler_skips_is_not_counted(outcomes) -> None:
+    for outcome in outcomes["grad_scaler_skips_a_step"]:
+        assert _counters(outcome) == (STEPS, STEPS + 1, 0)
+        assert _reductions_per_step(outcome) == [1, 2] + [1] * (STEPS - 2)  # step 1's reduction went to step 2
+    assert all(_agreement(outcomes["grad_scaler_skips_a_step"]).values())
+
+
+def test_a_joined_rank_steps_nothing_and_keeps_its_step_numbers_in_line(outcomes) -> None:
+    first, second = outcomes["uneven_inputs_in_join_then_even"]
+    assert _counters(first) == (3 + STEPS + 1, 3 + STEPS + 1, 0)  # its 2 shadowed iterations: no step, no reduction
+    assert _counters(second) == (5 + STEPS + 1, 5 + STEPS + 1, 0)
+    assert _numbers(first) == [1, 2, 3, 6, 7, 8, 9, 10]
+    assert _numbers(second) == list(range(1, 11))
+    agreement = _agreement(outcomes["uneven_inputs_in_join_then_even"])
+    assert agreement == {2: True, 6: True, 8: True, 10: True}, agreement
+
+
+def test_a_fingerprint_whose_copy_is_not_done_is_served_at_the_next_step_and_by_flush(outcomes) -> None:
+    for outcome in outcomes["fingerprint_copied_later"]:
+        # Taken after steps 2 and 4; each served once its copy was done: at the next step, and by flush().
+        base = _base(outcome)
+        served = [None if step is None else step - base for step in outcome["served after each step"]]
+        assert served == [None, None, 2, 2, 2]
+        assert max(_fingerprints(outcome)) == STEPS  # step 4's span has its fingerprint, and the gauges serve it
+    assert all(_agreement(outcomes["fingerprint_copied_later"]).values())
