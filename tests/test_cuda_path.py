@@ -40,7 +40,7 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     powerSGD_hook,
 )
 from tensorplay.telemetry import flush
-from tensorplay.telemetry.names import Attr
+from tensorplay.telemetry.names import HOOK_SPAN_NAME, Attr
 from tensorplay.telemetry.finish import finisher
 
 from . import parity_cases, traced_cases, training
@@ -147,7 +147,7 @@ def _span_timings(rank: int, hook: Callable, steps: int = 2) -> list[tuple[float
     with _training_on_cuda():
         training.train(rank, traced(hook, tracer_provider=sink.provider), steps=steps)
     assert flush(60), "records still pending"
-    spans = sink.finished()
+    spans = [span for span in sink.finished() if span.name == HOOK_SPAN_NAME]
     assert spans
     return [(span.attributes[Attr.ALLREDUCE_LATENCY_MS], (span.end_time - span.start_time) / 1e6) for span in spans]
 

@@ -345,7 +345,7 @@ def two_models(rank: int) -> dict:
         assert flush(30)
         plain_params = _train_two_models(rank, default_hooks.fp16_compress_hook, one_backward)
         calls: dict[int, list[tuple[int, bool]]] = {}
-        for attributes in sink.spans(None):
+        for attributes in sink.spans():
             calls.setdefault(attributes.get(Attr.MODEL, 0), []).append(
                 (attributes[Attr.STEP], Attr.COMPRESSION_RELATIVE_ERROR in attributes)
             )
@@ -407,7 +407,7 @@ def models_sharing_a_parameter(rank: int) -> dict:
             model(rank_batch(rank, step)[:, :32]).square().mean().backward()
     assert flush(30)
     steps: dict[int, list[int]] = {}
-    for span in sink.spans(None):
+    for span in sink.spans():
         steps.setdefault(span[Attr.MODEL], []).append(span[Attr.STEP])
     return {model: sorted(s) for model, s in steps.items()}
 

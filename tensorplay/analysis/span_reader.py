@@ -30,9 +30,10 @@ try:  # the report extra brings orjson: JSON parsing is most of the time a large
 except ImportError:  # pragma: no cover - the standard library parses the same lines, three times slower
     from json import loads as _fast_loads
 
-from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr
+from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr
 
-__all__ = ["HookSpans", "JoinSpan", "Spans", "NoSpans", "span_files", "read_spans", "merge_spans", "PARALLEL_BYTES"]
+__all__ = ["HookSpans", "JoinSpan", "OptimizerSteps", "Spans", "NoSpans", "span_files", "read_spans", "merge_spans",
+           "PARALLEL_BYTES"]
 
 PARALLEL_BYTES = 64 * 2**20
 """Runs with at least this much JSON are read by one process per core."""
@@ -91,6 +92,24 @@ class JoinSpan:
 
 
 @dataclass
+class OptimizerSteps:
+    """Every ``tensorplay.optimizer_step`` span: one per optimizer step that updated a traced model, per rank."""
+
+    rank: np.ndarray
+    step: np.ndarray
+    """The step's number on its rank (from 1; a rank that shadowed in Join counts its peers' steps meanwhile)."""
+    reductions: np.ndarray
+    """Gradient reductions of the models it updated since their previous step."""
+    unreduced: np.ndarray
+    """Whether it updated a model none of whose gradients were reduced since that model's previous step."""
+    fingerprint: np.ndarray
+    """The replica fingerprint taken right after it; -1 where none was."""
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+
+@dataclass
 class Spans:
     """What was read, and what could not be."""
 
@@ -98,6 +117,7 @@ class Spans:
     joins: list[JoinSpan]
     files: list[Path]
     problems: list[str] = field(default_factory=list)
+    optimizer_steps: OptimizerSteps = field(default_factory=lambda: _optimizer_steps(np.zeros((0, len(_STEP_COLUMNS)), np.int64)))
 
 
 def span_files(source: Path) -> list[Path]:
@@ -142,6 +162,8 @@ _BYTES, _WIRE_BYTES, _NONFINITE, _BUCKET_NONFINITE = (Attr.BUCKET_BYTES, Attr.BU
 _LATENCY, _ERROR, _NAN = Attr.ALLREDUCE_LATENCY_MS, Attr.COMPRESSION_RELATIVE_ERROR, float("nan")
 _INT_COLUMNS = ("rank", "model", "step", "bucket", "bucket_bytes", "wire_bytes", "nonfinite", "bucket_nonfinite", "hook")
 _FLOAT_COLUMNS = ("start_s", "end_s", "latency_ms", "relative_error")
+_STEP_COLUMNS = ("rank", "step", "reductions", "unreduced", "fingerprint")
+_STEP_ATTRIBUTES = (Attr.RANK, Attr.OPTIMIZER_STEP, Attr.OPTIMIZER_REDUCTIONS, Attr.OPTIMIZER_UNREDUCED)
 
 
 @dataclass
@@ -153,6 +175,8 @@ class _FileSpans:
     hook_names: list[str]
     joins: list[JoinSpan]
     problems: list[str]
+    steps: np.ndarray
+    """Optimizer step spans, a row each, in the order of ``_STEP_COLUMNS``."""
 
 
 class _FileReader:
@@ -163,6 +187,7 @@ class _FileReader:
         self._floats = array("d")
         self._hooks: dict[str, int] = {}
         self._joins: list[JoinSpan] = []
+        self._steps = array("q")
         self._clock = _Clock()
 
     def read(self, path: Path) -> _FileSpans:
@@ -183,7 +208,8 @@ class _FileReader:
                     problems.add("spans of an unknown version", number, problem)
         return _FileSpans(np.array(self._ints, dtype=np.int64).reshape(-1, len(_INT_COLUMNS)),
                           np.array(self._floats, dtype=np.float64).reshape(-1, len(_FLOAT_COLUMNS)),
-                          list(self._hooks), self._joins, problems.messages())
+                          list(self._hooks), self._joins, problems.messages(),
+                          np.array(self._steps, dtype=np.int64).reshape(-1, len(_STEP_COLUMNS)))
 
     def _add(self, span: Any) -> str | None:
         """Add one parsed span; return what makes it unreadable, or None."""
@@ -193,6 +219,8 @@ class _FileReader:
                 self._add_hook(span, attributes)
             elif name == JOIN_SPAN_NAME:
                 self._add_join(span, attributes)
+            elif name == OPTIMIZER_STEP_SPAN_NAME:
+                self._add_step(attributes)
             elif isinstance(name, str) and name.startswith(_TENSORPLAY_PREFIX):
                 return f"a span named {name!r}"
             return None  # ours, or the application's own span
@@ -223,6 +251,14 @@ class _FileReader:
                                     bool(attributes.get(Attr.JOIN_LAST_JOINER, False))))
 
 
+    def _add_step(self, attributes: dict[str, Any]) -> None:
+        fingerprint = attributes.get(Attr.REPLICA_FINGERPRINT, -1)
+        row = [attributes[name] for name in _STEP_ATTRIBUTES] + [fingerprint]
+        if not all(isinstance(value, int) for value in row) or min(row[:3]) < 0:
+            raise TypeError("rank, step and reductions must be whole numbers, unreduced a boolean, the fingerprint an integer")
+        self._steps.extend(row)
+
+
 def _loads(raw: bytes) -> Any:
     try:
         return _fast_loads(raw)
@@ -236,7 +272,10 @@ def _describe(span: Any, error: Exception) -> str:
         return "not an OpenTelemetry span as JsonLinesSpanExporter writes it"
     name, attributes = span.get("name"), span["attributes"]
     hook = name == HOOK_SPAN_NAME
-    wrong = _wrong_type(attributes, _HOOK_INTS if hook else _JOIN_INTS, _HOOK_FLOATS if hook else _JOIN_FLOATS)
+    if name == OPTIMIZER_STEP_SPAN_NAME:
+        wrong = _wrong_type(attributes, _STEP_ATTRIBUTES[:3], ())
+    else:
+        wrong = _wrong_type(attributes, _HOOK_INTS if hook else _JOIN_INTS, _HOOK_FLOATS if hook else _JOIN_FLOATS)
     if wrong is not None:
         return f"{name} without {wrong}"
     return f"{name}: {type(error).__name__}: {error}"
@@ -311,6 +350,17 @@ def _merge(parts: list[_FileSpans]) -> HookSpans:
     return HookSpans(**columns, hook_names=list(names))
 
 
+def _optimizer_steps(rows: np.ndarray) -> OptimizerSteps:
+    columns = {name: np.ascontiguousarray(rows[:, i]) for i, name in enumerate(_STEP_COLUMNS)}
+    columns["unreduced"] = columns["unreduced"].astype(bool)
+    return OptimizerSteps(**columns)
+
+
+def _merged_steps(parts: list[_FileSpans]) -> OptimizerSteps:
+    return _optimizer_steps(np.concatenate([part.steps for part in parts]) if parts
+                            else np.zeros((0, len(_STEP_COLUMNS)), np.int64))
+
+
 def read_spans(source: Path) -> Spans:
     """Read every tensorplay span under ``source`` (a span file or a run directory).
 
@@ -322,16 +372,20 @@ def read_spans(source: Path) -> Spans:
     hooks = _merge(parts)
     joins = [join for part in parts for join in part.joins]
     problems = [problem for part in parts for problem in part.problems]
-    if not len(hooks) and not joins:
+    steps = _merged_steps(parts)
+    if not len(hooks) and not joins and not len(steps):
         raise NoSpans("; ".join(problems) if problems else
                       f"no tensorplay spans in {', '.join(str(path) for path in files)}")
-    return Spans(hooks, joins, files, problems)
+    return Spans(hooks, joins, files, problems, steps)
 
 
 def merge_spans(parts: list[Spans]) -> Spans:
     """One :class:`Spans` from several reads (each rank's own file, gathered over the process group)."""
     as_rows = [_FileSpans(np.stack([getattr(part.hooks, name) for name in _INT_COLUMNS], axis=1),
                           np.stack([getattr(part.hooks, name) for name in _FLOAT_COLUMNS], axis=1),
-                          part.hooks.hook_names, part.joins, part.problems) for part in parts]
+                          part.hooks.hook_names, part.joins, part.problems,
+                          np.stack([getattr(part.optimizer_steps, name).astype(np.int64) for name in _STEP_COLUMNS], axis=1))
+               for part in parts]
     return Spans(_merge(as_rows), [join for part in parts for join in part.joins],
-                 [path for part in parts for path in part.files], [p for part in parts for p in part.problems])
+                 [path for part in parts for path in part.files], [p for part in parts for p in part.problems],
+                 _merged_steps(as_rows))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tensorplay.analysis.replicas import ReplicaSync
 from tensorplay.analysis.summary import ModelSummary
 from tensorplay.analysis.table import COLUMNS, rank_rows
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
@@ -33,10 +34,13 @@ class RankFacts:
     metrics_url: str | None
 
 
-def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: RunDir, nodes: int = 1) -> str:
-    """The report as text: the per-rank table, the straggler verdict and what explains it.
+def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: RunDir, nodes: int = 1,
+           sync: ReplicaSync | None = None, no_sync_bug: str | None = None) -> str:
+    """The report as text: the per-rank table, the straggler verdict and what explains it, then
+    whether every optimizer step's gradients were reduced once and the replicas stayed equal.
 
     ``run_dir`` is rank 0's; on several ``nodes`` each node's run dir holds its own ranks' files.
+    ``no_sync_bug``: the no_sync() mistake the demo made, in words (None: none).
     """
     verdict = summary.verdict
     rows = [COLUMNS, *rank_rows(summary)]
@@ -55,6 +59,8 @@ def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: Ru
     if shadowing:
         lines.append("uneven inputs: " + ", ".join(f"rank {r.rank} shadowed {r.shadowed}" for r in shadowing)
                      + " iterations inside Join (uneven inputs, not stragglers: shadowing is not compute)")
+    if sync is not None:
+        lines += ["", *sync.lines(), f"injected: {no_sync_bug}" if no_sync_bug else "injected: no no_sync() mistake"]
     urls = [f.metrics_url for f in facts if f.metrics_url]
     lines += ["",
               "allreduce p50: median per bucket over the steps every rank trained;  "
@@ -65,6 +71,9 @@ def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: Ru
               "costs the job: the share of every step its peers wait for it there (what the straggler verdict "
               "and TensorplayStragglerRank weigh);  latest on: steps at which it arrived last;  "
               "median late: its lateness at the median step (a straggler is late on most steps, not a few)",
+              "gradient reductions, unreduced steps, replica fingerprints: from each optimizer step's "
+              "tensorplay.optimizer_step span (a fingerprint every TENSORPLAY_FINGERPRINT_EVERY optimizer steps, "
+              "the demo's default 5), what TensorplayGradientsNotReduced and TensorplayReplicasDiverged weigh",
               f"spans: {run_dir.path}/spans-rank*.jsonl"
               + (" on each node, its own ranks' (copy them into one directory for tensorplay report)" if nodes > 1 else ""),
               "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")
