@@ -154,7 +154,8 @@ def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *fla
 
 # Panels that show problems these runs do not have: ranks waiting inside a collective, stalled or
 # no longer scraped (a healthy run's training is over: its ranks linger in no collective, all
-# scraped), overflowing compression. Empty, as are the telemetry-error panels.
+# scraped), overflowing compression, replicas apart, unreduced steps. Empty, as are the
+# telemetry-error panels.
 PANELS_EMPTY_AFTER_TRAINING = {
     "Longest and shortest wait inside a collective, by job",
     "Seconds waiting inside a collective now (top $topk ranks)",
@@ -162,6 +163,8 @@ PANELS_EMPTY_AFTER_TRAINING = {
     "Ranks no longer scraped (last 30 min)",
     "Ranks no longer scraped, longest gone (top $topk)",
     "Most non-finite elements made in 5m (top $topk ranks)",
+    "Ranks holding a minority fingerprint (top $topk)",
+    "Most unreduced optimizer steps (top $topk ranks)",
 }
 
 
@@ -559,3 +562,68 @@ def _is_demo_process(pid: int) -> bool:
         return b"tensorplay" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+SILENT_S = 150.0  # 150 scrapes of each rank, 150 rule evaluations
+
+
+def _replica_alerts_ever(server: PrometheusServer, job: str, start: float, end: float) -> list[dict]:
+    """Every evaluation at which TensorplayReplicasDiverged or TensorplayGradientsNotReduced was pending or firing."""
+    return server.query_range(
+        f'ALERTS{{job="{job}", alertname=~"TensorplayReplicasDiverged|TensorplayGradientsNotReduced"}}', start, end, 1.0)
+
+
+def _steps_both_ranks_served(server: PrometheusServer, job: str, start: float, end: float) -> dict[int, set[float]]:
+    """``{fingerprint step: the fingerprints scraped at it}`` of the steps both ranks were scraped at,
+    from the raw samples (what the rules compare)."""
+    held: dict[tuple[str, int], float] = {}
+    steps = {s["metric"]["rank"]: s["values"] for s in server.query_range(
+        f'tensorplay_replica_fingerprint_step{{job="{job}"}}', start, end, 1.0)}
+    fingerprints = {s["metric"]["rank"]: dict(s["values"]) for s in server.query_range(
+        f'tensorplay_replica_fingerprint{{job="{job}"}}', start, end, 1.0)}
+    for rank, values in steps.items():
+        for at, step in values:
+            held[(rank, int(float(step)))] = float(fingerprints[rank][at])
+    by_step: dict[int, dict[str, float]] = {}
+    for (rank, step), fingerprint in held.items():
+        by_step.setdefault(step, {})[rank] = fingerprint
+    return {step: set(ranks.values()) for step, ranks in by_step.items() if len(ranks) == 2}
+
+
+@pytest.mark.timeout(SILENT_S + 150)
+def test_a_job_trained_right_stays_silent_for_minutes_of_scrapes(prometheus, tmp_path: Path, monkeypatch) -> None:
+    """2 ranks accumulating gradients as they should (4 batches per optimizer step, no_sync() around the
+    forward and backward of the first 3), a fingerprint every 20 optimizer steps, scraped and evaluated
+    every second for 150 s: the raw samples hold many steps both ranks were scraped at, with one
+    fingerprint each; the rules counted one fingerprint per step at every evaluation, no unreduced
+    step, one gradient reduction per optimizer step; TensorplayReplicasDiverged and
+    TensorplayGradientsNotReduced were never even pending."""
+    job = "e2e-replicas"
+    monkeypatch.setenv("TENSORPLAY_FINGERPRINT_EVERY", "20")  # the ranks inherit it
+    run = start_scraped_demo(prometheus, tmp_path, job, 2, "--steps", "10000000", "--accumulation-steps", "4",
+                             "--stall-timeout-s", "600")
+    server = run.server
+    try:
+        first = run.demo.wait_for(
+            "both ranks' first fingerprint scraped",
+            lambda: (lambda r: r if len(r) == 2 else None)(server.query(f'tensorplay_replica_fingerprint{{job="{job}"}}')),
+            RUN_TIMEOUT_S)
+        start = max(float(s["value"][0]) for s in first)
+        time.sleep(SILENT_S)
+        end = time.time()
+        compared = _steps_both_ranks_served(server, job, start, end)
+        print(f"\nsilent run: {len(compared)} fingerprint steps scraped on both ranks in {end - start:.0f} s")
+        assert len(compared) >= 10, compared  # the check ran, many times
+        assert all(len(fingerprints) == 1 for fingerprints in compared.values()), compared
+        distinct = server.query_range(f'max(job_step:tensorplay_replica_fingerprint:distinct2m{{job="{job}"}})',
+                                      start, end, 1.0)
+        assert distinct and {float(v) for _, v in distinct[0]["values"]} == {1.0}, distinct
+        unreduced = server.query_range(f'sum(job_rank:tensorplay_unreduced_optimizer_steps:increase5m{{job="{job}"}})',
+                                       start, end, 1.0)
+        assert unreduced and {float(v) for _, v in unreduced[0]["values"]} == {0.0}, unreduced
+        per_step = server.query(f'job_rank:tensorplay_gradient_reductions:per_optimizer_step5m{{job="{job}"}}')
+        # A scrape may fall between a step's reduction (in its backward) and the step: 1 within that.
+        assert [float(s["value"][1]) for s in per_step] == [pytest.approx(1.0, abs=0.01)] * 2, per_step
+        assert _replica_alerts_ever(server, job, start, end) == []
+    finally:
+        run.demo.stop()
