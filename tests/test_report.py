@@ -31,7 +31,7 @@ from tensorplay.report import build_report
 from tensorplay.report.build import ModelReport, Report
 from tensorplay.report.cli import demo_report_line
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
-from tensorplay.telemetry.names import HOOK_SPAN_NAME, Attr
+from tensorplay.telemetry.names import HOOK_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr
 
 from .chromium import chromium_path, visit
 from .demo_runs import Demo
@@ -221,7 +221,15 @@ def test_the_demo_table_and_the_page_show_the_analysis_figure_for_figure(
 def test_the_command_prints_the_verdict_line(two_ranks_straggler: Demo, tmp_path: Path, capsys) -> None:
     code, out, _ = _run_report(capsys, str(two_ranks_straggler.run_dir), "--out", str(tmp_path / "page.html"))
     assert code == 0
-    assert out.splitlines() == [two_ranks_straggler.verdict(), f"report: {tmp_path / 'page.html'}"]
+    lines = out.splitlines()
+    assert [lines[0], lines[-1]] == [two_ranks_straggler.verdict(), f"report: {tmp_path / 'page.html'}"]
+    # 10 optimizer steps per rank, fingerprinted after steps 5 and 10 (the demo's interval).
+    assert lines[1:-1] == [
+        "gradient reductions: 1 per optimizer step on every rank (10 steps each): as it should be, each step's "
+        "gradients reduced once",
+        "unreduced optimizer steps: none (every step followed a reduction of the models it updated)",
+        "replica fingerprints: equal on every rank at the 2 steps compared (5, 10): the replicas are the same model",
+    ]
 
 
 def test_the_cost_share_is_drawn_per_rank(two_ranks_straggler: Demo) -> None:
@@ -267,7 +275,7 @@ def test_one_hook_on_two_models_is_reported_per_model(tmp_path: Path, capsys) ->
     code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
     assert code == 0 and "more than one run" not in err, err
     assert [line.split(":")[0] for line in out.splitlines()] == [
-        "straggler (model 0)", "straggler (model 1)", "report"]
+        "straggler (model 0)", "straggler (model 1)", "gradient synchronisation", "report"]  # no optimizer here
     spans = read_spans(tmp_path)
     report = build_report(tmp_path)
     assert [part.summary.model for part in report.models] == [0, 1] and not report.problems
@@ -309,18 +317,23 @@ def test_truncated_and_unknown_spans_are_named_and_the_rest_drawn(
     last = content.splitlines()[-1]
     rank1.write_bytes(content[:len(content) - 1 - len(last) // 2])  # the job died in the middle of a line
     lines = rank0.read_text().splitlines()
-    newer = json.loads(lines[5])
+    hooks = [number for number, line in enumerate(lines) if json.loads(line)["name"] == HOOK_SPAN_NAME]
+    step = next(number for number, line in enumerate(lines) if json.loads(line)["name"] == OPTIMIZER_STEP_SPAN_NAME)
+    newer = json.loads(lines[hooks[5]])
     del newer["attributes"][Attr.STEP]  # a shape this version does not know
-    renamed = dict(json.loads(lines[6]), name=HOOK_SPAN_NAME + "_v2")
-    application = dict(json.loads(lines[7]), name="my.own.span", attributes={"user": 1})
-    lines[5:7] = [json.dumps(newer), json.dumps(renamed), json.dumps(application)]
+    renamed = dict(json.loads(lines[hooks[6]]), name=HOOK_SPAN_NAME + "_v2")
+    application = dict(json.loads(lines[hooks[7]]), name="my.own.span", attributes={"user": 1})
+    no_step = json.loads(lines[step])
+    del no_step["attributes"][Attr.OPTIMIZER_STEP]
+    for number, span in ((hooks[5], newer), (hooks[6], renamed), (hooks[7], application), (step, no_step)):
+        lines[number] = json.dumps(span)
     rank0.write_text("\n".join(lines) + "\n")
 
     code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
     assert code == 2
     assert f"{rank1.name}: line {len(content.splitlines())}: the last line is truncated" in err
-    assert f"{rank0.name}: 2 lines: spans of an unknown version, the first line 6" in err
-    assert f"without an integer in {Attr.STEP}" in err
+    assert f"{rank0.name}: 3 lines: spans of an unknown version, the first line {min(hooks[5], step) + 1}" in err
+    assert f"without an integer in {Attr.STEP if hooks[5] < step else Attr.OPTIMIZER_STEP}" in err  # the first one's
     assert out.strip().splitlines()[-1] == f"report: {tmp_path / 'page.html'}"
     page = (tmp_path / "page.html").read_text()
     assert "Input that could not be read" in page and "the last line is truncated" in page

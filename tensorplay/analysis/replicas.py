@@ -71,14 +71,18 @@ class ReplicaSync:
         return self.divergence is not None or any(rank.unreduced for rank in self.ranks)
 
     def lines(self) -> list[str]:
-        """The three sentences: reductions per optimizer step, unreduced steps, fingerprints; each with what to do."""
+        """The three sentences: reductions per optimizer step, unreduced steps, fingerprints; each with what to do.
+
+        One sentence when no rank has an optimizer step span (no optimizer stepped a traced model,
+        or the spans come from a tensorplay that did not record them).
+        """
+        if not self.ranks:
+            return ["gradient synchronisation: no optimizer step over a traced model was recorded (tensorplay "
+                    "counts the step() of torch.optim optimizers whose parameters a traced hook reduced)"]
         return [self._reductions_line(), self._unreduced_line(), self._fingerprints_line()]
 
     def _reductions_line(self) -> str:
-        stepping = [rank for rank in self.ranks if rank.steps]
-        if not stepping:
-            return ("gradient reductions per optimizer step: no optimizer step over a traced model was seen "
-                    "(tensorplay counts the step() of torch.optim optimizers whose parameters a traced hook reduced)")
+        stepping = self.ranks
         ratios = {rank.rank: rank.reductions_per_step for rank in stepping}
         low, high = min(ratios.values()), max(ratios.values())
         if high - low < 0.05:
