@@ -82,6 +82,11 @@ def traced(
     ``"<name>#2"``, and each span carries ``tensorplay.model`` (0, 1, ...).
     ``tensorplay_step_compute_seconds`` is the first model's.
 
+    The first hook traced in a process installs torch's global optimizer step hooks, which count
+    the optimizer steps over the models it traces and fingerprint the replicas every
+    ``TENSORPLAY_FINGERPRINT_EVERY`` steps (:mod:`.replica_sync`; a value that is no whole number
+    >= 0 is a ``ValueError`` here).
+
     Example::
         >>> # xdoctest: +SKIP
         >>> ddp_model.register_comm_hook(process_group, traced(bf16_compress_hook))
