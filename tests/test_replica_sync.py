@@ -68,6 +68,7 @@ def _outcome(sink: MemorySink, rank: int) -> dict[str, Any]:
     served = {name: sink.sample(f"{name}_total", **labels)
               for name in (Metric.OPTIMIZER_STEPS, Metric.GRADIENT_REDUCTIONS, Metric.UNREDUCED_OPTIMIZER_STEPS)}
     served["pair"] = (sink.sample(Metric.REPLICA_FINGERPRINT_STEP, **labels), sink.sample(Metric.REPLICA_FINGERPRINT, **labels))
+    served["failures"] = sink.sample(f"{Metric.TELEMETRY_ERRORS}_total", reason="replica_sync", **labels)
     steps = [{key.removeprefix("tensorplay."): value for key, value in span.items()}
              for span in sink.spans(OPTIMIZER_STEP_SPAN_NAME)]
     return {"served": served, "steps": steps}
@@ -258,6 +259,22 @@ def fingerprint_copied_later(rank: int) -> dict:
     return {**outcome, "served after each step": served}
 
 
+def fingerprint_fails(rank: int) -> dict:
+    """Taking the sample raises (a device error, say): training goes on, the failure is counted."""
+    from tensorplay.telemetry import replica_sync
+
+    def broken(parameters: Any, indices: Any) -> Any:
+        raise RuntimeError("the sample could not be taken")
+
+    real_take = replica_sync.take_sample
+    replica_sync.take_sample = broken
+    try:
+        outcome = _plain_training(rank, allreduce_hook)
+    finally:
+        replica_sync.take_sample = real_take
+    return outcome
+
+
 SCENARIOS: dict[str, Callable[[int], dict]] = {
     scenario.__name__: scenario
     for scenario in (
@@ -272,6 +289,7 @@ SCENARIOS: dict[str, Callable[[int], dict]] = {
         grad_scaler_skips_a_step,
         uneven_inputs_in_join_then_even,
         fingerprint_copied_later,
+        fingerprint_fails,
     )
 }
 
@@ -421,3 +439,11 @@ def test_a_fingerprint_whose_copy_is_not_done_is_served_at_the_next_step_and_by_
         assert served == [None, None, 2, 2, 2]
         assert max(_fingerprints(outcome)) == STEPS  # step 4's span has its fingerprint, and the gauges serve it
     assert all(_agreement(outcomes["fingerprint_copied_later"]).values())
+
+
+def test_a_fingerprint_that_fails_never_stops_training_and_is_counted(outcomes) -> None:
+    for outcome in outcomes["fingerprint_fails"]:
+        assert outcome["served"]["failures"] == STEPS // EVERY  # the two fingerprinted steps
+        assert outcome["served"]["pair"] == (None, None)
+        assert _counters(outcome) == (STEPS, STEPS, 0)  # counted before the fingerprint was taken
+        assert len(outcome["steps"]) == STEPS - STEPS // EVERY  # their spans were not ended

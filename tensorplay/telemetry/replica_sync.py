@@ -422,14 +422,18 @@ def _metrics_of(models: list[SyncedModel]) -> list[TensorplayMetrics]:
 
 
 def _failed(what: str, metrics: TensorplayMetrics | None) -> None:
-    """Log the first failure of this process (with its traceback) and count every one; never raise."""
+    """Log the first failure of this process (with its traceback) and count every one; never raise.
+
+    ``metrics``: where to count it; None: the metrics of the watched models.
+    """
     watch = _watch
     if not watch.failed:
         watch.failed = True
         _logger.warning("tensorplay: %s failed; training goes on", what, exc_info=True)
     try:
-        if metrics is not None and watch.rank is not None:
-            metrics.count_error(watch.rank, "replica_sync")
+        for counting in [metrics] if metrics is not None else _metrics_of(watch.models()):
+            if watch.rank is not None:
+                counting.count_error(watch.rank, "replica_sync")
     except Exception:
         _logger.debug("tensorplay: could not count a replica_sync failure", exc_info=True)
 
