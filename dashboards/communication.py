@@ -110,6 +110,41 @@ def build() -> dict:
                     "suffix:×",
                 ),
                 timeseries(
+                    "Exposed communication per step (job, 5m)",
+                    (
+                        "What communication costs each step: from the backward's last hook call to the "
+                        "completion of the last hook future, on the rank the others wait for (the job's least: "
+                        "every other rank adds its wait for that one). Compression or other bucket sizes can "
+                        "only win back this part. docs/telemetry.md, \"Busy time and exposed communication\"."
+                    ),
+                    [Query(
+                        'job:tensorplay_step_exposed_communication_seconds:min_mean5m{job=~"$job"}',
+                        "exposed per step · {{job}}",
+                    )],
+                    Size(12, 8),
+                    "s",
+                ),
+                timeseries(
+                    "Share of the step exposed, and of communication hidden (job, 5m)",
+                    (
+                        "On the rank the others wait for: its exposed communication over its step, and the "
+                        "share of its communication (time with a collective in flight) the backward hid, "
+                        "1 − exposed / communication. Hidden near 100 %: little left to win from compression."
+                    ),
+                    [
+                        Query(
+                            'job:tensorplay_step_exposed_communication:ratio5m{job=~"$job"}',
+                            "exposed share of the step · {{job}}",
+                        ),
+                        Query(
+                            'job:tensorplay_step_communication_hidden:ratio5m{job=~"$job"}',
+                            "communication hidden · {{job}}",
+                        ),
+                    ],
+                    Size(12, 8),
+                    "percentunit",
+                ),
+                timeseries(
                     "Compression relative error p50 / p99 by hook (job, 5m)",
                     (
                         "‖x − x̂‖₂ / ‖x‖₂ of each rank's contribution, per bucket, on the steps the hook "
@@ -441,6 +476,21 @@ def build() -> dict:
                     "s",
                 ),
                 timeseries(
+                    "Busy time, exposed communication and communication per step by rank",
+                    (
+                        "Per counted step of the picked ranks: busy, its own work (the previous step's last "
+                        "collective done to its last hook call); exposed, the wait for communication after it "
+                        "(busy + exposed is the step); communication, the time with a collective in flight."
+                    ),
+                    [
+                        Query(_per_step("tensorplay_step_busy_seconds_total"), "busy · rank {{rank}}"),
+                        Query(_per_step("tensorplay_step_exposed_communication_seconds_total"), "exposed · rank {{rank}}"),
+                        Query(_per_step("tensorplay_step_communication_seconds_total"), "communication · rank {{rank}}"),
+                    ],
+                    Size(12, 8),
+                    "s",
+                ),
+                timeseries(
                     "Bytes/s handed to hooks vs sent on the wire, by rank",
                     (
                         "For the picked ranks. Handed over: gradient bucket bytes DDP gave the hook. On the "
@@ -520,4 +570,13 @@ def build() -> dict:
                 ),
             ], collapsed=True),
         ],
+    )
+
+
+def _per_step(counter: str) -> str:
+    """Seconds of ``counter`` per counted step of each picked rank, its hooks together (as the rules)."""
+    return (
+        f'sum by (job, rank) (rate({counter}{{job=~"$job", rank=~"$rank"}}[$__rate_interval]))\n'
+        "/\n"
+        'max by (job, rank) (rate(tensorplay_steps_total{job=~"$job", rank=~"$rank"}[$__rate_interval]))'
     )

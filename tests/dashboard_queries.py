@@ -67,6 +67,10 @@ CONTRACT_METRICS: dict[str, str] = {
     "tensorplay_step_wait_seconds_total": "counter",
     "tensorplay_step_seconds_total": "counter",
     "tensorplay_steps_total": "counter",
+    # ... and the step timeline (sections 4 and 6).
+    "tensorplay_step_busy_seconds_total": "counter",
+    "tensorplay_step_exposed_communication_seconds_total": "counter",
+    "tensorplay_step_communication_seconds_total": "counter",
 }
 """Every metric tensorplay exports, as the contract names it, with its type. Each carries `rank`."""
 

@@ -2,20 +2,52 @@
 
 Test bodies are module-level functions ``fn(rank, world_size, *args)``; what rank r returns
 comes back at index r. A rank that raises fails the test with its traceback; a rank that hangs
-fails it after ``timeout`` seconds instead of stalling the suite.
+fails it after ``timeout`` seconds instead of stalling the suite. Every rank runs with one
+OpenMP/MKL thread on every thread (:data:`ONE_BLAS_THREAD`), so bitwise comparisons hold on any
+CPU and core count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+ONE_BLAS_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""The environment of every process the tests start that trains: one OpenMP/MKL thread on every thread.
+
+``torch.set_num_threads(1)`` governs the thread that calls it (and threads that later enter
+ATen's own parallel loops), not a native thread torch did not start: gloo's threads, which
+complete collectives and run the callbacks chained on them, call MKL with its own default, one
+thread per core. PowerSGD's matrix products run in such callbacks -- on gloo's thread, or inline
+on the training thread when the collective had already completed -- and MKL's multi-threaded
+``Mᵀ·P`` (AVX-512 kernels) sums in another order than its single-threaded one: the same hook on
+the same gradients gave other bits depending on which thread ran it. With one thread everywhere,
+both sides of every bitwise comparison run the same arithmetic on any CPU and core count.
+"""
+
+
+@contextlib.contextmanager
+def one_blas_thread_in_children() -> Iterator[None]:
+    """Processes started inside get :data:`ONE_BLAS_THREAD` (the environment is read when they start)."""
+    saved = {name: os.environ.get(name) for name in ONE_BLAS_THREAD}
+    os.environ.update(ONE_BLAS_THREAD)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def free_port() -> int:
@@ -78,8 +110,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0)
         context.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results), daemon=True)
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
+    with one_blas_thread_in_children():
+        for process in processes:
+            process.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     try:

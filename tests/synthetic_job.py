@@ -25,6 +25,9 @@ serve and nothing the code serves is left out.
   rank's own, with the rank's own noise of the interval, and the job's step period; a rank counts
   none of them while it shadows in the Join, and a rank with several hooks splits the wait
   between them (one DDP model each, every one a whole iteration long);
+* the step timeline over the same counted steps: exposed communication is the end-of-step wait
+  (what follows the last hook call), communication adds the other buckets' collectives, which the
+  backward hides, and busy time is the rest of the step (busy + exposed = the step period);
 * bytes, compression error and wire bytes from the hook's name (fp16/bf16 halve the bytes);
 * one Join halfway through the job: on a healthy job every rank shadows 0-2 iterations; with
   ``uneven_join`` 90 % of the ranks shadow 10 or more (each a different count); the Join series
@@ -426,6 +429,13 @@ class SyntheticJob:
         values[:, np.isnan(self._fingerprint_steps)] = np.nan
         return values
 
+    def _step_busy(self, series: Series, ranks: slice) -> np.ndarray:
+        return (self._counted_steps[ranks] * self.step_period_s - self._end_wait_s[ranks]) / len(self.scenario.hooks)
+
+    def _step_communication(self, series: Series, ranks: slice) -> np.ndarray:
+        hidden = self._counted_steps[ranks] * (_BUCKETS_PER_STEP - 1) * _COLLECTIVE_S
+        return (hidden + self._end_wait_s[ranks]) / len(self.scenario.hooks)
+
     def _zeros(self, series: Series, ranks: slice) -> np.ndarray:
         return np.zeros((ranks.stop - ranks.start, len(self.times)))
 
@@ -472,6 +482,9 @@ class SyntheticJob:
         Metric.STEP_WAIT: _step_wait,
         Metric.STEP_SECONDS: _step_seconds,
         Metric.STEPS: _steps,
+        Metric.STEP_BUSY: _step_busy,
+        Metric.STEP_EXPOSED_COMMUNICATION: _step_wait,
+        Metric.STEP_COMMUNICATION: _step_communication,
         Metric.LAST_STEP_TIMESTAMP: _last_step_timestamp,
         Metric.COLLECTIVE_WAITING_SINCE: _zeros,
         Metric.JOIN_TIMESTAMP: _join_timestamp,

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from opentelemetry.sdk.trace import SpanProcessor
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -206,6 +207,28 @@ def test_latency_and_span_end_come_from_device_events(nccl: None) -> None:
     _assert_within_spans(reduced)
 
 
+def _sleep_in_the_last_bucket(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A user's hook that keeps the GPU busy in the last bucket only: after the backward's last hook call."""
+    if bucket.is_last():
+        torch.cuda._sleep(SLEEP_CYCLES)
+    return traced_cases.user_hook(state, bucket)
+
+
+def test_exposed_communication_comes_from_device_events(nccl: None) -> None:
+    # The host's last completion follows the last hook call by microseconds (NCCL's futures
+    # complete at enqueue); the device spends the sleep between them.
+    sink = memory_sink()
+    with _training_on_cuda():
+        training.train(0, traced(_sleep_in_the_last_bucket, tracer_provider=sink.provider), steps=3)
+    assert flush(60), "records still pending"
+    closing = [span for span in sink.spans() if Attr.STEP_BUSY_MS in span]
+    assert sorted(span[Attr.STEP] for span in closing) == [1, 2]
+    for span in closing:
+        assert span[Attr.STEP_EXPOSED_COMMUNICATION_MS] >= SLEEP_MS_AT_LEAST, span
+        assert span[Attr.STEP_COMMUNICATION_MS] >= SLEEP_MS_AT_LEAST, span
+        assert span[Attr.STEP_BUSY_MS] > 0, span
+
+
 def test_fp16_overflow_is_counted_on_cuda(nccl: None) -> None:
     with _training_on_cuda():
         outcome = traced_cases.overflow(0, 1)
@@ -379,6 +402,91 @@ def test_a_replica_fingerprint_on_cuda_never_synchronizes_and_equals_the_cpu_one
     assert [span["tensorplay.optimizer.step"] for span in fingerprinted][-1] == step
 
 
+# -- what the finisher never waits for, and never drops -------------------------------------------
+
+BUSY_CYCLES = 15_000_000_000
+"""Device clock cycles a stream is kept busy: at 3 GHz or less (any GPU's clock), 5 s or more."""
+BUSY_AT_LEAST_S = 5.0
+
+
+def test_a_busy_stream_does_not_hold_the_records_finished_before_it(nccl: None) -> None:
+    # As behind a hung collective: right after a traced backward the current stream is kept busy
+    # for seconds. The step's records, whose events happened before, are finished meanwhile: their
+    # figures are read from host copies, never on the device (that read would wait for the stream).
+    traced_hook, sink = _fully_traced(default_hooks.fp16_compress_hook)
+    with _training_on_cuda():
+        model = DDP(training.make_model(), bucket_cap_mb=training.BUCKET_CAP_MB)
+        batch = training.rank_batch(0, 0)
+    model.register_comm_hook(None, traced_hook)
+    model(batch).square().mean().backward()
+    torch.cuda._sleep(BUSY_CYCLES)
+    try:
+        finished = flush(BUSY_AT_LEAST_S / 2)
+        in_flight = sink.metrics.collectives_in_flight.in_flight("0")
+    finally:
+        torch.cuda.synchronize()
+    assert finished, "a record waited for the busy stream"
+    assert in_flight == 0
+    spans = sink.spans()
+    assert spans and all(span[Attr.BUCKET_NONFINITE] == 0 and Attr.COMPRESSION_RELATIVE_ERROR in span for span in spans)
+
+
+class _SlowSpanProcessor(SpanProcessor):
+    """An application's span processor that exports in line to a slow collector."""
+
+    def on_end(self, span: Any) -> None:
+        time.sleep(0.05)
+
+
+def test_a_full_span_queue_drops_spans_never_a_cuda_records_metrics(nccl: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from prometheus_client import CollectorRegistry
+
+    from tensorplay.telemetry import TensorplayMetrics, finish
+
+    monkeypatch.setattr(finish, "_finisher", finish.Finisher(capacity=4))
+    provider = TracerProvider()
+    provider.add_span_processor(_SlowSpanProcessor())
+    metrics = TensorplayMetrics(CollectorRegistry())
+    hook = traced(default_hooks.allreduce_hook, metrics=metrics, tracer_provider=provider)
+    calls: list[int] = []
+
+    def counting(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        calls.append(bucket.index())
+        return hook(state, bucket)
+
+    with _training_on_cuda():
+        training.train(0, counting, steps=10)
+    torch.cuda.synchronize()
+    assert finish.finisher().flush(60), "records still pending"
+    labels = {"rank": "0", "hook": "allreduce_hook"}
+    dropped = metrics.registry.get_sample_value("tensorplay_telemetry_errors_total", {"rank": "0", "reason": "span_dropped"})
+    assert len(calls) >= 30 and dropped, (len(calls), dropped)  # the queue was full: the case is real
+    assert metrics.registry.get_sample_value("tensorplay_allreduce_latency_seconds_count", labels) == len(calls)
+    assert metrics.collectives_in_flight.in_flight("0") == 0
+
+
+def test_a_hook_that_raises_after_launching_leaves_no_collective_in_flight_on_cuda(nccl: None) -> None:
+    def launching_then_failing(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        default_hooks.allreduce_hook(state, bucket)  # on NCCL its future completed at enqueue
+        raise RuntimeError("the hook failed after launching")
+
+    from tensorplay.telemetry.probe import describe_hook
+
+    describe_hook(launching_then_failing, "launching_then_failing")
+    sink = memory_sink()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(32, 32).cuda())  # one bucket
+    model.register_comm_hook(None, sink.traced(launching_then_failing))
+    with pytest.raises(Exception, match="failed after launching"):
+        model(torch.randn(4, 32, device="cuda")).square().mean().backward()
+    torch.cuda.synchronize()
+    assert flush(60), "records still pending"
+    assert sink.metrics.collectives_in_flight.in_flight("0") == 0
+    (span,) = sink.finished()
+    assert span.status.status_code.name == "ERROR" and "failed after launching" in span.status.description
+
+
 # -- memory over a long run -----------------------------------------------------------------------
 
 
@@ -450,6 +558,7 @@ def _on_two_ranks_sharing_one_gpu(rank: int, world_size: int) -> dict:
             "default hooks": parity_cases.compare_default_hooks(rank, world_size),
             "powersgd": parity_cases.compare_powersgd(rank, world_size, False),
             "spans": traced_cases.spans_and_metrics(rank, world_size),
+            "powersgd poisoned": traced_cases.powersgd_poisoned_on_rank_0(rank, world_size),
         }
     outcome["timings"] = [
         *_span_timings(rank, default_hooks.allreduce_hook),
@@ -485,3 +594,8 @@ def test_latency_of_real_communication_is_positive_and_within_its_span(gloo_cuda
     for outcome in gloo_cuda:
         assert outcome["timings"] and all(latency > 0 for latency, _ in outcome["timings"]), outcome["timings"]
         _assert_within_spans(outcome["timings"])
+
+
+@pytest.mark.parametrize("case", traced_cases.POWERSGD_CASES)
+def test_powersgd_counts_each_ranks_own_nonfinite_elements_on_cuda(gloo_cuda: list[dict], case: tuple[bool, int]) -> None:
+    traced_cases.check_powersgd_poisoned([outcome["powersgd poisoned"] for outcome in gloo_cuda], case)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from .ranks import free_base_port, free_port
+from .ranks import ONE_BLAS_THREAD, free_base_port, free_port
 
 SCRIPTS = Path(__file__).parent / "frameworks"
 ROOT = Path(__file__).parent.parent
@@ -49,6 +49,7 @@ class _Run:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(_unused(ports, free_port)),
             GLOO_SOCKET_IFNAME="lo",
+            **ONE_BLAS_THREAD,
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         )
         self.command, self.out_dir = command, out_dir

@@ -73,6 +73,11 @@ def test_join_timing_served_per_rank(world_size: int) -> None:
         assert samples[("tensorplay_steps_total", hooked)] == 2 * own - 1
         waited, stepped = samples[("tensorplay_step_wait_seconds_total", hooked)], samples[("tensorplay_step_seconds_total", hooked)]
         assert 0 < waited < stepped < outcome["ended"] - outcome["started"]
+        # Busy time and exposed communication over the same steps: each step lies between its busy
+        # time and its busy time plus exposed communication, so the sums do too.
+        busy = samples[("tensorplay_step_busy_seconds_total", hooked)]
+        exposed = samples[("tensorplay_step_exposed_communication_seconds_total", hooked)]
+        assert 0 < busy <= stepped <= busy + exposed
     assert joined_at == sorted(joined_at), "ranks with fewer inputs join first"
 
 

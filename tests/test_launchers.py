@@ -27,7 +27,7 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tensorplay.telemetry import TensorplayMetrics
 
 from .otlp_receiver import OtlpReceiver
-from .ranks import free_port
+from .ranks import ONE_BLAS_THREAD, free_port, one_blas_thread_in_children
 from .training import passthrough, train
 
 pytestmark = pytest.mark.timeout(180)
@@ -69,7 +69,8 @@ def _spawned_rank(rank: int, world_size: int, port: int, hook: Any, out: str) ->
 
 def test_a_traced_hook_goes_through_spawn_and_trains(tmp_path: Path) -> None:
     hook = traced(default_hooks.bf16_compress_hook, error_every=2, metrics=TensorplayMetrics(CollectorRegistry()))
-    mp.spawn(_spawned_rank, args=(2, free_port(), hook, str(tmp_path)), nprocs=2, join=True)
+    with one_blas_thread_in_children():
+        mp.spawn(_spawned_rank, args=(2, free_port(), hook, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["name"] == "traced(bf16_compress_hook)"
@@ -144,7 +145,7 @@ def test_a_forked_child_serves_its_own_metrics_and_ends_its_spans(tmp_path: Path
     run = subprocess.run(
         [sys.executable, "-c", _FORK_SCRIPT, *ports, str(span_file), str(out)],
         capture_output=True, text=True, timeout=150, cwd=Path(__file__).parent.parent,
-        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", **ONE_BLAS_THREAD},
     )
     assert "child exit code 0" in run.stdout, run.stderr[-3000:]
     child = json.loads(out.read_text())
@@ -239,7 +240,7 @@ def test_a_child_forked_after_metrics_on_the_applications_registry_starts_afresh
         run = subprocess.run(
             [sys.executable, "-c", _FORK_AFTER_OWN_REGISTRY_SCRIPT, collector.endpoint, str(free_port()), str(out)],
             capture_output=True, text=True, timeout=150, cwd=Path(__file__).parent.parent,
-            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1", "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1", **ONE_BLAS_THREAD},
         )
     assert "child exit code 0" in run.stdout, run.stderr[-3000:]
     assert "parent connections 1" in run.stdout  # the exporter keeps its connection open
@@ -272,7 +273,7 @@ def test_no_collector_costs_the_exit_no_retries_and_prints_one_line() -> None:
     run = subprocess.run(
         [sys.executable, "-c", _NO_COLLECTOR_SCRIPT, str(free_port()), str(free_port())],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
-        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", **ONE_BLAS_THREAD},
     )
     assert run.returncode == 0, run.stderr[-3000:]
     times = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in run.stdout.splitlines()}

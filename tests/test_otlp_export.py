@@ -20,7 +20,7 @@ from typing import Callable
 import pytest
 
 from .otlp_receiver import OtlpReceiver, ReceivedSpan
-from .ranks import free_port
+from .ranks import ONE_BLAS_THREAD, free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -88,7 +88,7 @@ def _run_job(
         [sys.executable, "-c", _JOB, collectors[0].endpoint, collectors[1].endpoint, str(free_port()), str(go_file)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_ROOT,
         env={
-            **os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+            **os.environ, "GLOO_SOCKET_IFNAME": "lo", **ONE_BLAS_THREAD,
             "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": str(export_timeout_s),
             "OTEL_BSP_SCHEDULE_DELAY": "600000",  # spans leave only when flushed, or at exit
         },

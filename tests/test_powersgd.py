@@ -78,10 +78,13 @@ class _Recorder:
     def __init__(self, wants_error: bool) -> None:
         self.wants_error = wants_error
         self.launched: list[int] = []
+        self.watched: list[bool] = []
+        self.inputs: list[torch.Tensor] = []
         self.compressions: list[dict[str, Any]] = []
 
-    def collective_launching(self, tensor: torch.Tensor) -> Any:
+    def collective_launching(self, tensor: torch.Tensor, watch_nonfinite: bool = False) -> Any:
         self.launched.append(tensor.numel())
+        self.watched.append(watch_nonfinite)
         return len(self.launched)
 
     def collective_launched(self, token: Any, future: torch.futures.Future) -> torch.futures.Future:
@@ -91,23 +94,32 @@ class _Recorder:
     def wants_compression_error(self) -> bool:
         return self.wants_error
 
+    def compression_input(self, kind: str, tensor: torch.Tensor) -> None:
+        self.inputs.append(_copy(tensor))
+
     def compression(
         self,
         kind: str,
-        original: torch.Tensor,
+        original: Optional[torch.Tensor],
         approximation: Optional[torch.Tensor] = None,
         *,
         scale: float = 1.0,
         residual: Optional[torch.Tensor] = None,
+        carried: Optional[torch.Tensor] = None,
+        reduced: bool = False,
     ) -> None:
-        def copy(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            # Not clone(): _CountClones counts the hook's copies, not ours.
-            return None if t is None else torch.empty_like(t).copy_(t)
-
         figure = None if residual is None else (residual.norm() / original.norm()).item()
         self.compressions.append(
-            {"kind": kind, "original": copy(original), "approximation": copy(approximation), "residual": copy(residual), "figure": figure}
+            {
+                "kind": kind, "original": _copy(original), "approximation": _copy(approximation),
+                "residual": _copy(residual), "carried": _copy(carried), "reduced": reduced, "figure": figure,
+            }
         )
+
+
+def _copy(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # Not clone(): _CountClones counts the hook's copies, not ours.
+    return None if tensor is None else torch.empty_like(tensor).copy_(tensor)
 
 
 class _CountClones(TorchFunctionMode):
@@ -158,7 +170,8 @@ def _check_error_feedback_reports(rank: int, facts: dict[str, Any]) -> None:
     for step in range(2):
         it = _iteration(rank, step, powerSGD_hook, state, wants_error=False)
         facts[f"iteration {step} plain allreduce"] = all(
-            r.launched == [i.numel()] and not r.compressions for r, i in zip(it["recorders"], it["inputs"])
+            r.launched == [i.numel()] and r.watched == [False] and not r.compressions and not r.inputs
+            for r, i in zip(it["recorders"], it["inputs"])
         )
     errors_before: dict[int, torch.Tensor] = {}
     for step in (2, 3):
@@ -166,6 +179,7 @@ def _check_error_feedback_reports(rank: int, facts: dict[str, Any]) -> None:
         it = _iteration(rank, step, powerSGD_hook, state, wants_error=False)
         expected = [[n for n in (u, p, q) if n] for u, p, q in zip(UNCOMPRESSED_NUMEL, P_NUMEL, Q_NUMEL)]
         facts[f"iteration {step} collectives"] = [r.launched for r in it["recorders"]] == expected
+        facts[f"iteration {step} collectives watched"] = all(r.watched and all(r.watched) for r in it["recorders"])
         # What the hook guarantees, unlike whether bucket 0's future is still pending then (a race):
         # a hook call launches nothing before the previous bucket's second round is out.
         facts[f"iteration {step} bucket 0's rounds are out once bucket 1's call returns"] = (
@@ -176,6 +190,7 @@ def _check_error_feedback_reports(rank: int, facts: dict[str, Any]) -> None:
         for index, (report,) in enumerate(reports):
             previous = errors_before.get(index, torch.zeros_like(it["inputs"][index]))
             facts[f"iteration {step} bucket {index} original"] = torch.equal(report["original"], it["inputs"][index] + previous)
+            facts[f"iteration {step} bucket {index} carried"] = torch.equal(report["carried"], previous) and report["reduced"]
             facts[f"iteration {step} bucket {index} approximation"] = torch.equal(report["approximation"], it["results"][index])
             facts[f"iteration {step} bucket {index} residual"] = torch.equal(
                 report["residual"], state.error_dict[index]
@@ -197,13 +212,13 @@ def _check_sampling(rank: int, facts: dict[str, Any]) -> None:
             continue
         reports = [r.compressions for r in it["recorders"]]
         facts[f"{label}: one report per bucket"] = all(len(c) == 1 and c[0]["residual"] is None for c in reports)
-        for index, (report,) in enumerate(reports):
+        for index, ((report,), recorder) in enumerate(zip(reports, it["recorders"])):
+            facts[f"{label}: bucket {index} result"] = torch.equal(report["approximation"], it["results"][index])
             if wants:
-                facts[f"{label}: bucket {index} figures"] = torch.equal(report["original"], it["inputs"][index]) and torch.equal(
-                    report["approximation"], it["results"][index]
-                )
-            else:
-                facts[f"{label}: bucket {index} kind only"] = report["approximation"] is None
+                facts[f"{label}: bucket {index} input copied"] = torch.equal(report["original"], it["inputs"][index])
+            else:  # no copy: the input is reported before decompression overwrites it
+                facts[f"{label}: bucket {index} input reported"] = report["original"] is None and len(recorder.inputs) == 1
+                facts[f"{label}: bucket {index} input as handed over"] = torch.equal(recorder.inputs[0], it["inputs"][index])
 
 
 def _check_batched_reports(rank: int, facts: dict[str, Any]) -> None:

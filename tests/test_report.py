@@ -17,6 +17,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from tensorplay.analysis.straggler import SHARE_THRESHOLD
 from tensorplay.analysis.summary import ModelSummary, summarize
 from tensorplay.cli import main
 from tensorplay.demo.rundir import RunDir
+from tensorplay.demo.table import RankFacts, render
 from tensorplay.report import build_report
 from tensorplay.report.build import ModelReport, Report
 from tensorplay.report.cli import demo_report_line
@@ -339,6 +341,90 @@ def test_truncated_and_unknown_spans_are_named_and_the_rest_drawn(
     assert "Input that could not be read" in page and "the last line is truncated" in page
     assert page.count("<img ") == 4  # cost, compute, latency, bytes: all the run has, still drawn
     assert "straggler:</strong> rank 1 " in page
+
+
+def _copy_spans(demo: Demo, to: Path, ranks: list[int]) -> RunDir:
+    """A run directory in ``to`` holding the span files of ``ranks`` of the demo's run."""
+    source, copy = RunDir(demo.run_dir), RunDir(to)
+    for rank in ranks:
+        shutil.copy(source.spans(rank), copy.spans(rank))
+    return copy
+
+
+def _rewrite(path: Path, change: dict[int, Callable[[dict], None]]) -> None:
+    """Rewrite span file ``path``, applying ``change[i]`` to the span on line i (0-based)."""
+    lines = path.read_text().splitlines()
+    for index, apply in change.items():
+        span = json.loads(lines[index])
+        apply(span)
+        lines[index] = json.dumps(span)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_rank_without_spans_is_named_and_the_verdict_says_it_cannot_judge_it(
+        three_ranks_uneven_straggler: Demo, tmp_path: Path, capsys) -> None:
+    """The straggler's file is missing (a rank killed before its last export, a node's file not
+    copied): the report used to say `straggler: none` for "2 ranks", exit 0."""
+    demo = three_ranks_uneven_straggler
+    copy = _copy_spans(demo, tmp_path, [0, 1])
+    code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
+    missing = ("no spans of rank 2 of the 3 the spans say (tensorplay.world_size): killed before it exported, or a "
+               "file not copied here? Missing from the figures, and the straggler verdict cannot judge it")
+    assert code == 2 and err == f"tensorplay report: {missing}\n", err
+    verdict = out.splitlines()[0]
+    assert verdict.startswith("straggler: rank 2 of 3 cannot be judged (no spans of it were read); of the other 2: "), out
+    page = (tmp_path / "page.html").read_text()
+    assert html.escape(missing) in page and " · 2 of 3 ranks · " in page
+    assert f'<section class="verdict unjudged" id="verdict"><strong>straggler:</strong> {html.escape(verdict[11:])}' in page
+    assert page.count("<img ") == 6  # every figure, of the two ranks read
+    # The demo's table says it too: the same derivation, rendered with what the demo injected.
+    (summary,) = summarize(read_spans(tmp_path))
+    facts = [RankFacts(rank, "sleeps 40 ms per step" if rank == 2 else None, None) for rank in range(3)]
+    text = render(summary, facts, "fp16_compress_hook", RunDir(tmp_path)).splitlines()
+    assert f"straggler: {summary.verdict.evidence}" == verdict and f"spans: {missing}" in text
+    assert "injected: rank 2 sleeps 40 ms per step (cannot be judged: no spans of it)" in text
+
+    # Spans that disagree on the world size (a few lines of rank 1 say 4) are named, file by file.
+    def says_four(span: dict) -> None:
+        span["attributes"][Attr.WORLD_SIZE] = span["resource"]["attributes"][Attr.WORLD_SIZE] = 4
+
+    _rewrite(copy.spans(1), {index: says_four for index in (3, 4, 5)})
+    lines = [len(copy.spans(rank).read_text().splitlines()) for rank in (0, 1)]
+    code, _, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
+    assert code == 2 and err.splitlines() == [
+        f"tensorplay report: {missing}",
+        f"tensorplay report: the spans disagree on the job's world size: 3 (spans-rank0.jsonl, spans-rank1.jsonl: "
+        f"{sum(lines) - 3} spans), 4 (spans-rank1.jsonl: 3 spans): files of more than one job, or a damaged line? "
+        f"Ranks are judged against 3, which most spans say"], err
+
+
+def test_a_damaged_line_is_skipped_and_counted_never_allocated_by(
+        two_ranks_straggler: Demo, tmp_path: Path, capsys) -> None:
+    """A step of 10^9 on one line had the report lay out 10^9 steps (tens of GiB, then killed).
+    The reading is checked first, so the old code fails here before it allocates anything."""
+    copy = _copy_spans(two_ranks_straggler, tmp_path, [0, 1])
+    steps = read_spans(tmp_path).hooks.step.max()
+
+    def setting(name: str, value: int) -> Callable[[dict], None]:
+        return lambda span: span["attributes"].__setitem__(name, value)
+
+    _rewrite(copy.spans(1), {10: setting(Attr.STEP, 10**9), 11: setting(Attr.BUCKET_INDEX, 10**9),
+                             12: setting(Attr.BUCKET_BYTES, -5), 13: setting(Attr.RANK, 5)})
+    spans = read_spans(tmp_path)
+    (problem,) = spans.problems
+    assert re.fullmatch(r"spans-rank1\.jsonl: 4 lines: implausible values \(a damaged line\?\), the first line 11: "
+                        r"tensorplay\.step = 1000000000, where the run's median is [\d.]+ \(more than 4 x [\d.]+ \+ 100 "
+                        r"is taken for damage\); skipped", problem), problem
+    assert spans.hooks.step.max() == steps and spans.hooks.bucket.max() < 100
+    assert set(spans.hooks.rank.tolist()) == {0, 1} and spans.hooks.bucket_bytes.min() > 0
+    code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
+    assert code == 2 and err == f"tensorplay report: {problem}\n"
+    assert out.splitlines()[0].startswith("straggler: rank 1 costs the job")
+    assert html.escape(problem) in (tmp_path / "page.html").read_text()
+    # Only these lines: a rank's resource says the job's size, so a rank beyond it is damage.
+    _rewrite(copy.spans(1), {13: setting(Attr.RANK, 1)})
+    (problem,) = read_spans(tmp_path).problems
+    assert problem.startswith("spans-rank1.jsonl: 3 lines: implausible values")
 
 
 def test_without_matplotlib_the_command_says_how_and_the_demo_goes_on(

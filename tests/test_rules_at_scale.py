@@ -25,6 +25,7 @@ from .alert_firing import Alert, firing, notifications
 from .alert_rules import alerts
 from .backfill import aligned_start, backfilled_prometheus, evaluation_time
 from .dashboard_queries import dashboard_paths, dashboard_queries, default_value, load_dashboard
+from . import synthetic_job
 from .prometheus_server import PrometheusServer
 from .synthetic_job import SCRAPE_INTERVAL_S, RANKS_PER_NODE, Scenario, SyntheticJob, standard_scenarios
 
@@ -158,3 +159,30 @@ def test_the_dashboards_default_view_draws_a_bounded_number_of_ranks(backfilled)
     (job,) = [j for j in jobs.values() if j.scenario.slow_factor >= 1.5 and len(j.scenario.slow_ranks) == 1]
     top = [ranks for title, ranks in drawn_by_panel.items() if title.startswith("Straggler share of every step: highest")]
     assert top and (job.scenario.job, str(job.scenario.slow_ranks[0])) in top[0]
+
+
+def test_the_jobs_exposed_communication_is_that_of_the_rank_everybody_waits_for(backfilled) -> None:
+    """One straggler at x1.6: its 63 peers wait for it at every step's end, so the job's exposed
+    communication per step (its least over the ranks) is the straggler's: one collective with no
+    wait in it, on a rank whose backward hid the step's other collectives. Its share of the step,
+    and the share hidden, are that rank's; every other rank's share is larger."""
+    jobs, server, at = backfilled
+    straggler = RANKS // 3
+    name = _scenario(jobs, slow_factor=1.6, slow_ranks=(straggler,)).scenario.job
+
+    def per_rank(record: str) -> dict[str, float]:
+        return server.query_values(f'{record}{{job="{name}"}}', at=at)
+
+    def of_job(record: str) -> float:
+        (value,) = server.query_values(f'{record}{{job="{name}"}}', by="job", at=at).values()
+        return value
+
+    exposed = per_rank("job_rank:tensorplay_step_exposed_communication_seconds:mean5m")
+    assert len(exposed) == RANKS and min(exposed, key=exposed.get) == str(straggler)
+    assert of_job("job:tensorplay_step_exposed_communication_seconds:min_mean5m") == exposed[str(straggler)]
+    assert exposed[str(straggler)] == pytest.approx(synthetic_job._COLLECTIVE_S, rel=0.25)
+    shares = per_rank("job_rank:tensorplay_step_exposed_communication:ratio5m")
+    assert of_job("job:tensorplay_step_exposed_communication:ratio5m") == shares[str(straggler)] == min(shares.values())
+    hidden = per_rank("job_rank:tensorplay_step_communication_hidden:ratio5m")
+    assert of_job("job:tensorplay_step_communication_hidden:ratio5m") == hidden[str(straggler)]
+    assert hidden[str(straggler)] == pytest.approx(1 - 1 / synthetic_job._BUCKETS_PER_STEP, abs=0.05)

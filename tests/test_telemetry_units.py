@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.util._once import Once
 from prometheus_client import CollectorRegistry
 
@@ -40,7 +40,53 @@ class FakeEvent:
         return later.device_ms - self.device_ms
 
 
-def _record(metrics: TensorplayMetrics | None = None) -> BucketRecord:
+class FakeDevice:
+    """Stands in for a CUDA device's stream: stamps carry a FakeEvent each, copies to the host are
+    queued, and both happen when the device runs. Once ``hung`` (a collective that never completes
+    was queued after them), nothing more ever does: reading device memory would wait for good."""
+
+    def __init__(self) -> None:
+        self.events: list[FakeEvent] = []
+        self.copies: list[Any] = []
+        self.hung = False
+
+    def stamp(self, device: Any = None) -> Stamp:
+        event = FakeEvent(float(len(self.events)))
+        self.events.append(event)
+        return Stamp(time.time_ns(), time.perf_counter_ns(), event)
+
+    def run(self) -> None:
+        """Everything queued so far happens: the copies, then the events."""
+        while self.copies:
+            self.copies.pop(0)()
+        for event in self.events:
+            event.done = True
+
+    def memory(self) -> type:
+        """A tensor class whose instances live in this device's memory (their values are real)."""
+        device = self
+
+        class OnDevice(torch.Tensor):
+            @property
+            def is_cuda(self) -> bool:
+                return True
+
+            def item(self) -> Any:  # a read in place: a copy on the stream, then waiting for it
+                if device.hung:
+                    raise AssertionError("a figure was read on the device: that waits for the hung stream")
+                return self.as_subclass(torch.Tensor).item()
+
+            def to(self, *args: Any, **kwargs: Any) -> Any:
+                if args == ("cpu",) and kwargs == {"non_blocking": True}:  # lands in host memory when the device runs
+                    host, value = torch.empty(self.shape, dtype=self.dtype), self.as_subclass(torch.Tensor).clone()
+                    device.copies.append(lambda: host.copy_(value))
+                    return host
+                return super().to(*args, **kwargs)
+
+        return OnDevice
+
+
+def _record(metrics: TensorplayMetrics | None = None, span: OwnedSpan | None = None) -> BucketRecord:
     tracer = memory_sink().provider.get_tracer("test")
     return BucketRecord(
         hook="fp16_compress_hook",
@@ -51,7 +97,7 @@ def _record(metrics: TensorplayMetrics | None = None) -> BucketRecord:
         bucket_index=0,
         layout=BucketLayout(torch.zeros(8)),
         sample_error=True,
-        span=OwnedSpan(tracer.start_span("tensorplay.comm_hook")),
+        span=span if span is not None else OwnedSpan(tracer.start_span("tensorplay.comm_hook")),
         metrics=metrics,
         previous_step_end=None,
         step_start=None,
@@ -321,6 +367,154 @@ def test_a_cuda_record_is_finished_once_its_events_complete() -> None:
     assert metrics.registry.get_sample_value("tensorplay_bucket_bytes_total", labels) == 32
 
 
+def test_cuda_figures_are_read_from_their_host_copies_never_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's branch on a fake device: a float16 bucket holding 3 NaN under float16 compression is
+    counted at once. Then a collective queued after it hangs the stream: the record, whose events
+    happened before, is still finished, from host copies of its figures (no read on the device)."""
+    from tensorplay.telemetry import recorder as recorder_module
+
+    device = FakeDevice()
+    monkeypatch.setattr(recorder_module, "stamp", device.stamp)
+    metrics = TensorplayMetrics(CollectorRegistry())
+    record = _record(metrics)
+    record.device, record.called = torch.device("cuda"), device.stamp()
+    bucket = torch.ones(64, dtype=torch.float16)
+    bucket[:3] = float("nan")
+    bucket = bucket.as_subclass(device.memory())
+    record.compression("float16", bucket, bucket, scale=2, recomputable=True)
+    finisher = Finisher()
+    hook_future: torch.futures.Future = torch.futures.Future()
+    hook_future.set_result(bucket)
+    record.follow(hook_future, None, finisher.completed)
+    device.hung = True
+    device.run()
+    assert finisher.flush(10)
+    labels = {"rank": "0", "hook": "fp16_compress_hook"}
+    assert metrics.registry.get_sample_value("tensorplay_bucket_nonfinite_elements_total", labels) == 3
+    assert metrics.registry.get_sample_value("tensorplay_allreduce_latency_seconds_count", labels) == 1
+
+
+class _GatedProcessor(SpanProcessor):
+    """An application's span processor that hangs in ``on_end`` (an export in line) until its gate opens."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.ended = 0
+
+    def on_end(self, span: Any) -> None:
+        self.entered.set()
+        self.gate.wait(30)
+        self.ended += 1
+
+
+def _cuda_record_launched(metrics: TensorplayMetrics, device: FakeDevice, tracer: trace.Tracer, step: int) -> BucketRecord:
+    """A CUDA record (events of ``device``) whose one collective was launched, on NCCL: its future completed at enqueue."""
+    record = _record(metrics, OwnedSpan.later(tracer, "tensorplay.comm_hook", time.time_ns()))
+    record.device, record.step, record.called = torch.device("cuda"), step, device.stamp()
+    token = record.collective_launching(torch.zeros(8))
+    launched: torch.futures.Future = torch.futures.Future()
+    launched.set_result([torch.zeros(8)])
+    record.collective_launched(token, launched)
+    return record
+
+
+def test_a_full_queue_drops_spans_never_a_cuda_records_metrics_or_its_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The span processor hangs while 20 CUDA records come in; the device keeps up. Spans beyond the
+    queue's bound are dropped (counted); every record's metrics are written and its collective leaves
+    the in-flight gauge, those the thread cannot take while it hangs finished where they are handed over."""
+    from tensorplay.telemetry import recorder as recorder_module
+
+    device = FakeDevice()
+    monkeypatch.setattr(recorder_module, "stamp", device.stamp)
+    metrics = TensorplayMetrics(CollectorRegistry())
+    processor = _GatedProcessor()
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    finisher = Finisher(capacity=4)
+    calls = 20
+
+    def latency_observations() -> float:
+        return metrics.registry.get_sample_value(
+            "tensorplay_allreduce_latency_seconds_count", {"rank": "0", "hook": "fp16_compress_hook"}
+        ) or 0.0
+
+    for step in range(calls):
+        record = _cuda_record_launched(metrics, device, tracer, step)
+        hook_future: torch.futures.Future = torch.futures.Future()
+        hook_future.set_result(torch.zeros(8))
+        record.follow(hook_future, None, finisher.completed)
+        del record
+        device.run()
+        if step == 0:
+            assert processor.entered.wait(10)  # the thread hangs in the first span's end
+    observed_while_hanging = latency_observations()
+    processor.gate.set()
+    assert finisher.flush(10)
+    dropped = metrics.registry.get_sample_value("tensorplay_telemetry_errors_total", {"rank": "0", "reason": "span_dropped"})
+    assert latency_observations() == calls
+    assert metrics.collectives_in_flight.in_flight("0") == 0
+    assert dropped and dropped + processor.ended == calls, (dropped, processor.ended)
+    # While the thread hung, records beyond the bound (4) were finished where they were handed over.
+    assert observed_while_hanging >= calls - (4 + 1), observed_while_hanging
+
+
+@pytest.mark.parametrize("on_cuda", [True, False], ids=["cuda (fake device)", "cpu"])
+def test_a_hook_that_raises_after_launching_leaves_no_collective_in_flight(monkeypatch: pytest.MonkeyPatch, on_cuda: bool) -> None:
+    """A hook launches a collective, then raises. On CUDA (events of a fake device) its future
+    completed at enqueue; on CPU it completes later. Either way the collective stays in flight until
+    it is done, then leaves the gauge; the record is finished and its span carries the error."""
+    import importlib
+
+    import torch.distributed as dist
+
+    from tensorplay.telemetry import finish, model_identity, probe, recorder as recorder_module
+
+    traced_module = importlib.import_module("tensorplay.telemetry.traced")  # the package's ``traced`` is the function
+
+    class CudaLayout(BucketLayout):
+        def __init__(self, buffer: torch.Tensor) -> None:
+            super().__init__(buffer)
+            self.device = torch.device("cuda")
+
+    device = FakeDevice()
+    if on_cuda:
+        monkeypatch.setattr(recorder_module, "stamp", device.stamp)
+        monkeypatch.setattr(traced_module, "stamp", device.stamp)
+        monkeypatch.setattr(model_identity, "BucketLayout", CudaLayout)
+    monkeypatch.setattr(
+        traced_module, "dist", types.SimpleNamespace(get_rank=lambda: 0, get_world_size=lambda: 1, ProcessGroup=dist.ProcessGroup)
+    )
+    monkeypatch.setattr(finish, "_finisher", Finisher())
+    launched: torch.futures.Future = torch.futures.Future()
+
+    def launching_then_failing(state: Any, bucket: Any) -> torch.futures.Future:
+        recorder = probe.current_recorder()
+        recorder.collective_launched(recorder.collective_launching(bucket.buffer()), launched)
+        if on_cuda:
+            launched.set_result([bucket.buffer()])  # NCCL: complete at enqueue
+        raise RuntimeError("the hook failed after launching")
+
+    probe.describe_hook(launching_then_failing, "launching_then_failing")
+    sink = memory_sink()
+    hook = sink.traced(launching_then_failing)
+    bucket = _Bucket(torch.zeros(4), [torch.zeros(2)])
+    with pytest.raises(RuntimeError, match="failed after launching"):
+        hook(None, bucket)
+    assert not finish.finisher().flush(0.05)
+    assert sink.metrics.collectives_in_flight.in_flight("0") == 1  # not done yet
+    if on_cuda:
+        device.run()
+    else:
+        launched.set_result([bucket.buffer()])
+    assert finish.finisher().flush(10)
+    assert sink.metrics.collectives_in_flight.in_flight("0") == 0
+    (span,) = sink.finished()
+    assert span.status.status_code == trace.StatusCode.ERROR and "failed after launching" in span.status.description
+    assert sink.sample("tensorplay_allreduce_latency_seconds_count", rank="0", hook="launching_then_failing") == 1
+
+
 # --- configure_tracing ---------------------------------------------------------------------------
 
 
@@ -442,7 +636,8 @@ def _one_rank_exposition(metrics: TensorplayMetrics, hooks: tuple[str, ...]) -> 
         metrics.allreduce_latency.labels(**labels).observe(0.01)
         metrics.compression_error.labels(**labels).observe(0.001)
         for counter in (metrics.bucket_bytes, metrics.wire_bytes, metrics.nonfinite, metrics.bucket_nonfinite,
-                        metrics.step_wait, metrics.step_seconds, metrics.steps):
+                        metrics.step_wait, metrics.step_seconds, metrics.steps, metrics.step_busy,
+                        metrics.step_exposed_communication, metrics.step_communication):
             counter.labels(**labels).inc()
     metrics.step_compute.labels(rank="0").observe(0.2)
     metrics.join_wait.labels(rank="0").observe(1.0)
@@ -465,7 +660,7 @@ def test_the_exposition_has_no_created_series_and_stays_within_the_series_budget
     per_rank = len(one_hook) - per_hook
     assert per_hook > 0 and per_rank > 0
     assert len(one_hook) <= 100  # docs/telemetry.md, "Series budget"
-    assert (per_hook, per_rank) == (41, 43)  # the figures that table gives
+    assert (per_hook, per_rank) == (44, 43)  # the figures that table gives
 
 
 def test_an_applications_own_metrics_keep_their_created_series() -> None:
@@ -481,6 +676,34 @@ def test_an_applications_own_metrics_keep_their_created_series() -> None:
     assert "tensorplay_joins_created" not in text
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         TensorplayMetrics(shared)  # registering twice is still refused, as prometheus_client does
+
+
+def test_disabling_metrics_takes_them_out_of_the_applications_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The application serves its own registry; tensorplay's families leave it when metrics are
+    turned off (they used to stay, served frozen, and enabling again raised Duplicated timeseries)."""
+    from prometheus_client import Counter, generate_latest
+
+    from tensorplay.telemetry import active_metrics, disable_metrics, enable_metrics, metrics as metrics_module
+
+    monkeypatch.delenv("TENSORPLAY_METRICS_PORT", raising=False)
+    disable_metrics()
+    shared = CollectorRegistry()
+    Counter("app_batches", "the application's own counter", registry=shared).inc()
+    try:
+        enable_metrics(registry=shared, serve=False).joins.labels(rank="0").inc()
+        assert shared.get_sample_value("tensorplay_joins_total", {"rank": "0"}) == 1
+        disable_metrics()
+        served = generate_latest(shared).decode()
+        assert "tensorplay_" not in served and "app_batches_total 1.0" in served
+        monkeypatch.setattr(metrics_module, "_env_checked", True)  # off stays off: no environment to read
+        assert active_metrics() is None
+        again = enable_metrics(registry=shared, serve=False)  # no Duplicated timeseries
+        assert shared.get_sample_value("tensorplay_joins_total", {"rank": "0"}) is None  # fresh counts
+        again.joins.labels(rank="0").inc()
+        assert shared.get_sample_value("tensorplay_joins_total", {"rank": "0"}) == 1
+    finally:
+        disable_metrics()
+    assert "tensorplay_" not in generate_latest(shared).decode()
 
 
 # --- a slow span processor, told apart from a busy machine ---------------------------------------
@@ -635,3 +858,47 @@ def test_a_buffer_is_known_only_while_it_lives_and_never_by_a_reused_id() -> Non
     models._by_buffer[id(stranger)] = stale  # as if ``stranger`` had reused a dead buffer's id
     place = models.enter(_Bucket(stranger, [torch.zeros(2)], index=0))
     assert place.bucket is not stale and place.bucket.layout.numel == 8 and place.model is not first.model
+
+
+def _model_of_each_call(models: Any, calls: list[tuple[Any, "_Bucket"]]) -> list[int]:
+    """Enter each bucket on its thread (an executor of one thread), in this order; the model of each call."""
+    return [executor.submit(lambda b=bucket: models.enter(b).model.index).result() for executor, bucket in calls]
+
+
+def test_two_models_in_their_first_iteration_on_two_threads_keep_their_buckets() -> None:
+    """Two threads each train a model; the second model's bucket 1 comes while the first model also
+    expects its bucket 1 (its thread is between buckets 0 and 1): it is the second model's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensorplay.telemetry.model_identity import ModelsOfHook
+
+    def buckets() -> list[_Bucket]:
+        return [_Bucket(torch.zeros(4), [torch.zeros(2)], index=i, last=i == 2) for i in range(3)]
+
+    a, b = buckets(), buckets()
+    with ThreadPoolExecutor(1) as first, ThreadPoolExecutor(1) as second:
+        order = [(first, a[0]), (second, b[0]), (second, b[1]), (first, a[1]), (second, b[2]), (first, a[2])]
+        models = ModelsOfHook()
+        placed = _model_of_each_call(models, order)
+        again = _model_of_each_call(models, order)  # the next iteration: known buffers
+    assert placed == again == [0, 1, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("first_to_rebuild", [0, 1])
+def test_a_rebuilt_bucket_of_shared_parameters_stays_with_its_model(first_to_rebuild: int) -> None:
+    """Two models share a layer; after DDP's rebuild, bucket 0 of each holds only that layer's
+    parameters, which both models reduced: each rebuilt bucket stays with its own model."""
+    from tensorplay.telemetry.model_identity import ModelsOfHook
+
+    models = ModelsOfHook()
+    shared = torch.zeros(2)
+    own = [torch.zeros(2), torch.zeros(2)]
+    first_iteration = [_Bucket(torch.zeros(4), [own[m], shared]) for m in range(2)]  # one bucket each
+    assert [models.enter(bucket).model.index for bucket in first_iteration] == [0, 1]
+    placed: dict[int, list[int]] = {}
+    rebuilt: dict[int, list[_Bucket]] = {}  # the models' new buffers live on (DDP holds them)
+    for m in (first_to_rebuild, 1 - first_to_rebuild):
+        first_iteration[m] = None  # type: ignore[call-overload]  # the rebuild frees the old buffer
+        rebuilt[m] = [_Bucket(torch.zeros(2), [shared], index=0, last=False), _Bucket(torch.zeros(2), [own[m]], index=1)]
+        placed[m] = [models.enter(bucket).model.index for bucket in (*rebuilt[m], *rebuilt[m])]
+    assert placed == {0: [0, 0, 0, 0], 1: [1, 1, 1, 1]}

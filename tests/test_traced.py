@@ -23,11 +23,14 @@ from .ranks import free_base_port, free_port, run_ranks
 from .sink import memory_sink
 from .traced_cases import (
     HOOKS,
+    POWERSGD_CASES,
     BucketCopies,
     check_gradients_equal_untraced,
     check_metrics_agree_with_spans,
+    check_powersgd_poisoned,
     expected_error,
     overflow,
+    powersgd_poisoned_on_rank_0,
     spans_and_metrics,
     traced_powersgd,
 )
@@ -263,6 +266,15 @@ def test_traced_rejects_bad_arguments() -> None:
         traced("allreduce")
     with pytest.raises(ValueError, match="error_every must be >= 0"):
         traced(default_hooks.allreduce_hook, error_every=-1)
+    # A registry where the metrics go is the likely slip: it used to be taken, then every bucket
+    # warned with a traceback and recorded nothing.
+    for wrong in (CollectorRegistry(), "metrics"):
+        with pytest.raises(TypeError) as refused:
+            traced(default_hooks.allreduce_hook, metrics=wrong)  # type: ignore[arg-type]
+        assert str(refused.value) == (
+            "traced: metrics must be a TensorplayMetrics (TensorplayMetrics(registry) for a registry of your own), "
+            f"or None for the process's metrics; got {type(wrong).__name__}")
+    assert traced(default_hooks.allreduce_hook, metrics=TensorplayMetrics(CollectorRegistry())) is not None
 
 
 def test_traced_powersgd_reports_its_residual_and_keeps_gradients() -> None:
@@ -395,6 +407,16 @@ def test_a_bucket_holding_nan_is_counted_and_training_goes_on() -> None:
             assert result["other spans clean"]
             assert result["metric"] == 8
             assert result["created metric"] == 0
+
+
+@pytest.fixture(scope="module")
+def powersgd_poisoned() -> list[dict]:
+    return run_ranks(powersgd_poisoned_on_rank_0, 2)
+
+
+@pytest.mark.parametrize("case", POWERSGD_CASES)
+def test_powersgd_counts_each_ranks_own_nonfinite_elements(powersgd_poisoned: list[dict], case: tuple[bool, int]) -> None:
+    check_powersgd_poisoned(powersgd_poisoned, case)
 
 
 POISONED_HOOKS = {

@@ -393,17 +393,24 @@ def freed_then_new_model(rank: int) -> dict:
     return {**_counted_steps(metrics.registry, rank), "models": hook._models.count()}  # type: ignore[attr-defined]
 
 
-def models_sharing_a_parameter(rank: int) -> dict:
-    """Two DDP models whose first layer is one and the same module, each with a layer of its own."""
+def models_sharing_a_parameter(rank: int, shared_last: bool = False) -> dict:
+    """Two DDP models that share one layer, each with a layer of its own.
+
+    The shared layer first, in one bucket with the rest; or last, with a bucket per layer: after
+    DDP's rebuild, each model's bucket 0 holds only the shared layer, whose parameters both reduce.
+    The models take turns in a different order at every step.
+    """
     sink = memory_sink()
     hook = sink.traced(default_hooks.allreduce_hook)
     torch.manual_seed(0)
     shared = nn.Linear(32, 32)
-    models = [DDP(nn.Sequential(shared, nn.Linear(32, 32))) for _ in range(2)]
+    layers = (lambda: (nn.Linear(32, 32), shared)) if shared_last else (lambda: (shared, nn.Linear(32, 32)))
+    bucket_cap_mb = 0.001 if shared_last else 25  # 4 kB: a bucket per layer once rebuilt
+    models = [DDP(nn.Sequential(*layers()), bucket_cap_mb=bucket_cap_mb) for _ in range(2)]
     for model in models:
         model.register_comm_hook(None, hook)
     for step in range(3):
-        for model in models:
+        for model in models if step % 2 == 0 else models[::-1]:
             model(rank_batch(rank, step)[:, :32]).square().mean().backward()
     assert flush(30)
     steps: dict[int, list[int]] = {}
@@ -421,6 +428,7 @@ def all_scenarios(rank: int, world_size: int) -> dict:
         "two models": two_models(rank),
         "freed model": freed_then_new_model(rank),
         "shared parameter": models_sharing_a_parameter(rank),
+        "shared last layer": models_sharing_a_parameter(rank, shared_last=True),
     }
 
 
@@ -526,3 +534,5 @@ def test_a_model_that_replaces_a_freed_one_starts_its_own_steps(outcomes: list[d
 def test_models_sharing_a_parameter_are_two_models(outcomes: list[dict]) -> None:
     for outcome in outcomes:
         assert outcome["shared parameter"] == {0: [0, 1, 2], 1: [0, 1, 2]}
+        # One bucket in the first iteration, one per layer (2) once rebuilt, for each model.
+        assert outcome["shared last layer"] == {0: [0, 1, 1, 2, 2], 1: [0, 1, 1, 2, 2]}

@@ -35,7 +35,7 @@ from tensorplay.demo.train import batch_count
 from tensorplay.telemetry.names import Metric
 
 from .demo_runs import Demo, scrape
-from .ranks import free_base_port, free_port
+from .ranks import ONE_BLAS_THREAD, free_base_port, free_port
 from .waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,7 +75,7 @@ def _start_agent(tmp_path: Path, node: str, base_port: int, rdzv_port: int, run_
         "--metrics-addr", "127.0.0.1", "--run-dir", str(run_dir.path), "--linger-s", LINGER_S,
     ]
     env = {**os.environ, "TENSORPLAY_METRICS_PORT": str(base_port), "GLOO_SOCKET_IFNAME": "lo",
-           "OMP_NUM_THREADS": "1"}
+           **ONE_BLAS_THREAD}
     with open(stdout, "w") as out, open(stderr, "w") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
                                    start_new_session=True)

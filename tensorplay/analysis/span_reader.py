@@ -8,7 +8,17 @@ OpenTelemetry span per line (``ReadableSpan.to_json``), from any number of ranks
 of files. Only tensorplay's spans are kept, as arrays rather than dicts (a run of 64 ranks x
 1,000 steps x 10 buckets is 640,000 spans). Reading never stops at bad input: a line that is not
 JSON (a truncated last line when a job was killed), a tensorplay span of a shape this version
-does not know, is skipped and described in :attr:`Spans.problems`.
+does not know, a span with values no run has, is skipped and described in :attr:`Spans.problems`.
+
+Implausible values are those of a damaged line, which a report must not take for a run: a
+negative count or index; a rank not below its job's world size (its resource's
+``tensorplay.world_size``, which :func:`~tensorplay.telemetry.configure_tracing` sets; the span's
+own attribute is the hook's process group's, which a DDP over a subgroup has global ranks beyond);
+and a step, bucket index or model index beyond :data:`IMPLAUSIBLE_SPREAD` times the median of all
+the run's hook spans plus :data:`IMPLAUSIBLE_SLACK` -- the report lays out steps x buckets per rank,
+so one line claiming step 10^9 would otherwise have it allocate tens of GiB. Steps and buckets of
+a run are spread evenly from 0, so their median is about half their largest value: only a line
+far beyond all the others meets the bound.
 """
 
 from __future__ import annotations
@@ -33,10 +43,15 @@ except ImportError:  # pragma: no cover - the standard library parses the same l
 from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr
 
 __all__ = ["HookSpans", "JoinSpan", "OptimizerSteps", "Spans", "NoSpans", "span_files", "read_spans", "merge_spans",
-           "PARALLEL_BYTES"]
+           "PARALLEL_BYTES", "IMPLAUSIBLE_SPREAD", "IMPLAUSIBLE_SLACK"]
 
 PARALLEL_BYTES = 64 * 2**20
 """Runs with at least this much JSON are read by one process per core."""
+
+IMPLAUSIBLE_SPREAD = 4
+IMPLAUSIBLE_SLACK = 100
+"""A hook span whose step, bucket index or model index is above ``IMPLAUSIBLE_SPREAD`` x the median
+over the run's hook spans + ``IMPLAUSIBLE_SLACK`` is taken for a damaged line and skipped."""
 
 _TENSORPLAY_PREFIX = "tensorplay."
 _HOOK_INTS = (Attr.RANK, Attr.STEP, Attr.BUCKET_INDEX, Attr.BUCKET_BYTES, Attr.BUCKET_WIRE_BYTES,
@@ -71,6 +86,13 @@ class HookSpans:
     """Elements compression made non-finite."""
     bucket_nonfinite: np.ndarray
     """Non-finite elements that reached a compressing hook; 0 for hooks that do not compress."""
+    busy_ms: np.ndarray
+    """On the span that closed its step (the step's last call to finish), the step's busy time:
+    the previous step's last collective done to the step's last hook call. NaN on other spans."""
+    exposed_communication_ms: np.ndarray
+    """On the span that closed its step, the last hook call to the last hook future done; NaN elsewhere."""
+    communication_ms: np.ndarray
+    """On the span that closed its step, the time with one of its collectives in flight; NaN elsewhere."""
     hook: np.ndarray
     """Index into :attr:`hook_names`."""
     hook_names: list[str]
@@ -118,6 +140,9 @@ class Spans:
     files: list[Path]
     problems: list[str] = field(default_factory=list)
     optimizer_steps: OptimizerSteps = field(default_factory=lambda: _optimizer_steps(np.zeros((0, len(_STEP_COLUMNS)), np.int64)))
+    world_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
+    """Per file name, each world size its spans say (their resource's ``tensorplay.world_size``, else
+    their own) and how many spans say it; spans that say none are not counted."""
 
 
 def span_files(source: Path) -> list[Path]:
@@ -160,10 +185,26 @@ _HOOK, _RANK, _MODEL, _STEP, _BUCKET = Attr.HOOK, Attr.RANK, Attr.MODEL, Attr.ST
 _BYTES, _WIRE_BYTES, _NONFINITE, _BUCKET_NONFINITE = (Attr.BUCKET_BYTES, Attr.BUCKET_WIRE_BYTES,
                                                       Attr.COMPRESSION_NONFINITE, Attr.BUCKET_NONFINITE)
 _LATENCY, _ERROR, _NAN = Attr.ALLREDUCE_LATENCY_MS, Attr.COMPRESSION_RELATIVE_ERROR, float("nan")
+_WORLD_SIZE = Attr.WORLD_SIZE
+_BUSY, _EXPOSED, _COMMUNICATION = Attr.STEP_BUSY_MS, Attr.STEP_EXPOSED_COMMUNICATION_MS, Attr.STEP_COMMUNICATION_MS
 _INT_COLUMNS = ("rank", "model", "step", "bucket", "bucket_bytes", "wire_bytes", "nonfinite", "bucket_nonfinite", "hook")
-_FLOAT_COLUMNS = ("start_s", "end_s", "latency_ms", "relative_error")
+_FLOAT_COLUMNS = ("start_s", "end_s", "latency_ms", "relative_error", "busy_ms", "exposed_communication_ms",
+                  "communication_ms")
+_HOOK_COLUMN = _INT_COLUMNS.index("hook")
+_READ_COLUMNS = (*_INT_COLUMNS, "world_size", "line")
+"""A file's int rows as read: the columns kept, then the world size the span says and its line (for the checks)."""
+_WORLD_COLUMN, _LINE_COLUMN = len(_INT_COLUMNS), len(_INT_COLUMNS) + 1
+_SPREAD_COLUMNS = tuple(_INT_COLUMNS.index(name) for name in ("step", "bucket", "model"))
+_ATTRIBUTE_OF = dict(zip(_READ_COLUMNS, (Attr.RANK, Attr.MODEL, Attr.STEP, Attr.BUCKET_INDEX, Attr.BUCKET_BYTES,
+                                         Attr.BUCKET_WIRE_BYTES, Attr.COMPRESSION_NONFINITE, Attr.BUCKET_NONFINITE,
+                                         Attr.HOOK, Attr.WORLD_SIZE)))
 _STEP_COLUMNS = ("rank", "step", "reductions", "unreduced", "fingerprint")
 _STEP_ATTRIBUTES = (Attr.RANK, Attr.OPTIMIZER_STEP, Attr.OPTIMIZER_REDUCTIONS, Attr.OPTIMIZER_UNREDUCED)
+_IMPLAUSIBLE = "implausible values (a damaged line?)"
+
+
+class _Implausible(ValueError):
+    """A span that parses, with a value no run has."""
 
 
 @dataclass
@@ -171,12 +212,21 @@ class _FileSpans:
     """One file's spans: rows of int and float columns, hook names by index, joins, problems."""
 
     ints: np.ndarray
+    """Rows of :data:`_READ_COLUMNS` as read; the columns of :data:`_INT_COLUMNS` once merged."""
     floats: np.ndarray
     hook_names: list[str]
     joins: list[JoinSpan]
-    problems: list[str]
+    other_world_sizes: list[int]
+    """The world size each join and optimizer step span says (0: none)."""
+    problems: _FileProblems
     steps: np.ndarray
     """Optimizer step spans, a row each, in the order of ``_STEP_COLUMNS``."""
+
+    def world_sizes(self) -> dict[int, int]:
+        """Each world size the file's spans say, and how many spans say it."""
+        sizes, counts = np.unique(np.concatenate([self.ints[:, _WORLD_COLUMN], self.other_world_sizes]).astype(np.int64),
+                                  return_counts=True)
+        return {int(size): int(count) for size, count in zip(sizes, counts) if size > 0}
 
 
 class _FileReader:
@@ -188,6 +238,7 @@ class _FileReader:
         self._hooks: dict[str, int] = {}
         self._joins: list[JoinSpan] = []
         self._steps = array("q")
+        self._other_world_sizes: list[int] = []
         self._clock = _Clock()
 
     def read(self, path: Path) -> _FileSpans:
@@ -203,40 +254,52 @@ class _FileReader:
                     kind = "not JSON" if raw.endswith(b"\n") else "the last line is truncated (was the job killed?)"
                     problems.add(kind, number)
                     continue
-                problem = self._add(span)
+                try:
+                    problem = self._add(span, number)
+                except _Implausible as implausible:
+                    problems.add(_IMPLAUSIBLE, number, str(implausible))
+                    continue
                 if problem is not None:
                     problems.add("spans of an unknown version", number, problem)
-        return _FileSpans(np.array(self._ints, dtype=np.int64).reshape(-1, len(_INT_COLUMNS)),
+        return _FileSpans(np.array(self._ints, dtype=np.int64).reshape(-1, len(_READ_COLUMNS)),
                           np.array(self._floats, dtype=np.float64).reshape(-1, len(_FLOAT_COLUMNS)),
-                          list(self._hooks), self._joins, problems.messages(),
+                          list(self._hooks), self._joins, self._other_world_sizes, problems,
                           np.array(self._steps, dtype=np.int64).reshape(-1, len(_STEP_COLUMNS)))
 
-    def _add(self, span: Any) -> str | None:
+    def _add(self, span: Any, line: int) -> str | None:
         """Add one parsed span; return what makes it unreadable, or None."""
         try:
             name, attributes = span["name"], span["attributes"]
             if name == HOOK_SPAN_NAME:
-                self._add_hook(span, attributes)
+                self._add_hook(span, attributes, line)
             elif name == JOIN_SPAN_NAME:
                 self._add_join(span, attributes)
             elif name == OPTIMIZER_STEP_SPAN_NAME:
-                self._add_step(attributes)
+                self._add_step(span, attributes)
             elif isinstance(name, str) and name.startswith(_TENSORPLAY_PREFIX):
                 return f"a span named {name!r}"
             return None  # ours, or the application's own span
+        except _Implausible:
+            raise
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError, IndexError) as error:
             return _describe(span, error)
 
-    def _add_hook(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
-        """Append one row; every value is converted (and so checked) before either array grows."""
-        hook, hooks, clock = attributes[_HOOK], self._hooks, self._clock.unix_seconds
-        ints = array("q", (attributes[_RANK], attributes.get(_MODEL, 0), attributes[_STEP], attributes[_BUCKET], attributes[_BYTES],
+    def _add_hook(self, span: dict[str, Any], attributes: dict[str, Any], line: int) -> None:
+        """Append one row; every value is converted (and so checked) before either array grows.
+
+        Negative values and values far beyond the run's others are found once every file is read
+        (:func:`_drop_implausible`), with numpy; a rank beyond its job's world size here.
+        """
+        hook, hooks, clock, rank = attributes[_HOOK], self._hooks, self._clock.unix_seconds, attributes[_RANK]
+        world_size = _world_size(span, attributes, rank)
+        ints = array("q", (rank, attributes.get(_MODEL, 0), attributes[_STEP], attributes[_BUCKET], attributes[_BYTES],
                            attributes[_WIRE_BYTES], attributes[_NONFINITE], attributes.get(_BUCKET_NONFINITE, 0),
-                           hooks.get(hook, len(hooks))))
+                           hooks.get(hook, len(hooks)), world_size, line))
         floats = array("d", (clock(span["start_time"]), clock(span["end_time"]), attributes[_LATENCY],
-                             attributes.get(_ERROR, _NAN)))
-        if min(ints) < 0 or not isinstance(hook, str):
-            raise ValueError("a negative count or index, or a hook name that is not a string")
+                             attributes.get(_ERROR, _NAN), attributes.get(_BUSY, _NAN), attributes.get(_EXPOSED, _NAN),
+                             attributes.get(_COMMUNICATION, _NAN)))
+        if not isinstance(hook, str):
+            raise TypeError("a hook name that is not a string")
         hooks.setdefault(hook, len(hooks))
         self._ints.extend(ints)
         self._floats.extend(floats)
@@ -246,17 +309,37 @@ class _FileReader:
         wait_ms = attributes[Attr.JOIN_WAIT_MS]
         if not all(isinstance(value, int) for value in (rank, shadowed)) or not isinstance(wait_ms, (int, float)):
             raise TypeError("rank and shadow iterations must be integers, the wait a number")
+        world_size = _world_size(span, attributes, rank)
+        for name, value in ((Attr.RANK, rank), (Attr.JOIN_SHADOW_ITERATIONS, shadowed), (_WORLD_SIZE, world_size)):
+            if value < 0:
+                raise _Implausible(f"{name} = {value} < 0")
         self._joins.append(JoinSpan(rank, self._clock.unix_seconds(span["start_time"]),
                                     self._clock.unix_seconds(span["end_time"]), shadowed, float(wait_ms),
                                     bool(attributes.get(Attr.JOIN_LAST_JOINER, False))))
+        self._other_world_sizes.append(world_size)
 
-
-    def _add_step(self, attributes: dict[str, Any]) -> None:
+    def _add_step(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
         fingerprint = attributes.get(Attr.REPLICA_FINGERPRINT, -1)
         row = [attributes[name] for name in _STEP_ATTRIBUTES] + [fingerprint]
         if not all(isinstance(value, int) for value in row) or min(row[:3]) < 0:
             raise TypeError("rank, step and reductions must be whole numbers, unreduced a boolean, the fingerprint an integer")
+        world_size = _world_size(span, attributes, row[0])
         self._steps.extend(row)
+        self._other_world_sizes.append(world_size)
+
+
+def _world_size(span: dict[str, Any], attributes: dict[str, Any], rank: int) -> int:
+    """The job's world size a span says: its resource's, else its own attribute's (the hook's group's); 0 if neither.
+
+    A rank not below its resource's world size (the whole job's) is :class:`_Implausible`.
+    """
+    resource = span.get("resource")
+    job = resource["attributes"].get(_WORLD_SIZE) if resource else None
+    if job is None:
+        return attributes.get(_WORLD_SIZE, 0)
+    if rank >= job:
+        raise _Implausible(f"{Attr.RANK} = {rank} in a job of {job} ranks (its resource's {_WORLD_SIZE})")
+    return job
 
 
 def _loads(raw: bytes) -> Any:
@@ -304,9 +387,16 @@ class _FileProblems:
         self.path = path
         self.kinds: dict[str, tuple[int, int, str]] = {}
 
-    def add(self, kind: str, line: int, detail: str = "") -> None:
-        count, first, first_detail = self.kinds.get(kind, (0, line, detail))
-        self.kinds[kind] = (count + 1, first, first_detail)
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def add(self, kind: str, line: int, detail: str = "", count: int = 1) -> None:
+        """Count ``count`` lines of ``kind``, the first of them ``line``; the message names the earliest."""
+        seen, first, first_detail = self.kinds.get(kind, (0, line, detail))
+        if line < first:
+            first, first_detail = line, detail
+        self.kinds[kind] = (seen + count, first, first_detail)
 
     def messages(self) -> list[str]:
         out = []
@@ -332,15 +422,50 @@ def _read_files(files: list[Path]) -> list[_FileSpans]:
         return list(pool.map(_read_file, files))
 
 
+def _drop_implausible(parts: list[_FileSpans]) -> None:
+    """Skip and count, in each file, the hook spans with values no run has (the module's docstring says which)."""
+    if not any(len(part.ints) for part in parts):
+        return
+    spread = np.concatenate([part.ints[:, _SPREAD_COLUMNS] for part in parts])
+    medians = np.median(spread, axis=0)
+    limits = IMPLAUSIBLE_SPREAD * medians + IMPLAUSIBLE_SLACK
+    for part in parts:
+        rows = part.ints
+        bad = (rows[:, :_LINE_COLUMN] < 0).any(axis=1) | (rows[:, _SPREAD_COLUMNS] > limits).any(axis=1)
+        if not bad.any():
+            continue
+        lines = rows[bad, _LINE_COLUMN]
+        first = int(np.argmin(lines))
+        part.problems.add(_IMPLAUSIBLE, int(lines[first]), _why_implausible(rows[bad][first], medians, limits),
+                          count=int(bad.sum()))
+        part.ints, part.floats = rows[~bad], part.floats[~bad]
+
+
+def _why_implausible(row: np.ndarray, medians: np.ndarray, limits: np.ndarray) -> str:
+    """The first value of a row that :func:`_drop_implausible` skips, and why it is implausible."""
+    for column, name in enumerate(_READ_COLUMNS[:_LINE_COLUMN]):
+        if row[column] < 0:
+            return f"{_ATTRIBUTE_OF[name]} = {row[column]} < 0"
+    for column, median, limit in zip(_SPREAD_COLUMNS, medians, limits):
+        if row[column] > limit:
+            name = _ATTRIBUTE_OF[_READ_COLUMNS[column]]
+            return (f"{name} = {row[column]}, where the run's median is {median:g} (more than "
+                    f"{IMPLAUSIBLE_SPREAD} x {median:g} + {IMPLAUSIBLE_SLACK} is taken for damage)")
+    return "values no run has"
+
+
 def _merge(parts: list[_FileSpans]) -> HookSpans:
-    """One set of columns from every file's rows, hook indices renumbered into one list of names."""
+    """One set of columns from every file's rows, hook indices renumbered into one list of names.
+
+    Columns of the rows beyond :data:`_INT_COLUMNS` (what only reading needs) are left out.
+    """
     names: dict[str, int] = {}
     ints, floats = [], []
     for part in parts:
         renumber = np.array([names.setdefault(name, len(names)) for name in part.hook_names], dtype=np.int64)
-        rows = part.ints.copy()
+        rows = part.ints[:, :len(_INT_COLUMNS)].copy()
         if len(rows):
-            rows[:, -1] = renumber[rows[:, -1]]
+            rows[:, _HOOK_COLUMN] = renumber[rows[:, _HOOK_COLUMN]]
         ints.append(rows)
         floats.append(part.floats)
     all_ints = np.concatenate(ints) if ints else np.zeros((0, len(_INT_COLUMNS)), np.int64)
@@ -369,23 +494,25 @@ def read_spans(source: Path) -> Spans:
     """
     files = span_files(source)
     parts = _read_files(files)
+    _drop_implausible(parts)
+    world_sizes = {part.problems.name: part.world_sizes() for part in parts}
     hooks = _merge(parts)
     joins = [join for part in parts for join in part.joins]
-    problems = [problem for part in parts for problem in part.problems]
+    problems = [problem for part in parts for problem in part.problems.messages()]
     steps = _merged_steps(parts)
     if not len(hooks) and not joins and not len(steps):
         raise NoSpans("; ".join(problems) if problems else
                       f"no tensorplay spans in {', '.join(str(path) for path in files)}")
-    return Spans(hooks, joins, files, problems, steps)
+    return Spans(hooks, joins, files, problems, steps, {name: sizes for name, sizes in world_sizes.items() if sizes})
 
 
 def merge_spans(parts: list[Spans]) -> Spans:
     """One :class:`Spans` from several reads (each rank's own file, gathered over the process group)."""
     as_rows = [_FileSpans(np.stack([getattr(part.hooks, name) for name in _INT_COLUMNS], axis=1),
                           np.stack([getattr(part.hooks, name) for name in _FLOAT_COLUMNS], axis=1),
-                          part.hooks.hook_names, part.joins, part.problems,
+                          part.hooks.hook_names, part.joins, [], _FileProblems(Path()),
                           np.stack([getattr(part.optimizer_steps, name).astype(np.int64) for name in _STEP_COLUMNS], axis=1))
                for part in parts]
     return Spans(_merge(as_rows), [join for part in parts for join in part.joins],
                  [path for part in parts for path in part.files], [p for part in parts for p in part.problems],
-                 _merged_steps(as_rows))
+                 _merged_steps(as_rows), {name: sizes for part in parts for name, sizes in part.world_sizes.items()})

@@ -3,8 +3,9 @@
 For each model of the run (:func:`~tensorplay.analysis.run.models`), one :class:`RankSummary` per
 rank and the straggler verdict, all from the same :class:`~tensorplay.analysis.run.Run`: the
 allreduce p50 and the end-of-step waits over the steps every rank trained, compute per step as
-``tensorplay_step_compute_seconds`` defines it, bytes, compression error, and the Join figures.
-Renderers format these numbers; none of them derives one.
+``tensorplay_step_compute_seconds`` defines it, bytes, compression error, and the Join figures;
+and which ranks of the job's world size the spans lack (:mod:`.world`), which the verdict says it
+cannot judge. Renderers format these numbers; none of them derives one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from .run import Run, aggregate, models
 from .span_reader import Spans
 from .straggler import Lateness, Verdict, lateness, straggler_verdict
+from .world import World, world
 
 __all__ = ["RankSummary", "ModelSummary", "summarize", "summarize_run"]
 
@@ -53,6 +55,9 @@ class ModelSummary:
     run: Run
     ranks: list[RankSummary]
     verdict: Verdict
+    """Of the ranks read, saying first which ranks of the world size it cannot judge (no spans)."""
+    world: World | None = None
+    """The world size the run's spans say and the ranks they lack (None: not looked at)."""
 
     @property
     def model(self) -> int:
@@ -63,8 +68,8 @@ def _number(value: float) -> float | None:
     return None if np.isnan(value) else float(value)
 
 
-def summarize_run(run: Run) -> ModelSummary:
-    """The per-rank figures and the verdict of one aggregated model."""
+def summarize_run(run: Run, world_of_run: World | None = None) -> ModelSummary:
+    """The per-rank figures and the verdict of one aggregated model (of a run whose world is ``world_of_run``)."""
     waits = run.end_waits()
     figures = {f.rank: f for f in lateness(waits)}
     p50, compute, trained = run.latency_ms_p50(), run.compute_ms_mean(), run.trained_steps()
@@ -87,9 +92,11 @@ def summarize_run(run: Run) -> ModelSummary:
             join_wait_ms=sum(join.wait_ms for join in joins) if joins else None,
             last_joiner=joins[-1].last_joiner if joins else None,
         ))
-    return ModelSummary(run, rows, straggler_verdict(waits))
+    verdict = straggler_verdict(waits)
+    return ModelSummary(run, rows, verdict if world_of_run is None else world_of_run.judged(verdict), world_of_run)
 
 
 def summarize(spans: Spans) -> list[ModelSummary]:
     """Each model's figures and verdict, in model order."""
-    return [summarize_run(aggregate(spans, model)) for model in models(spans)]
+    world_of_run = world(spans)
+    return [summarize_run(aggregate(spans, model), world_of_run) for model in models(spans)]

@@ -3,8 +3,9 @@
 Every figure is :func:`tensorplay.analysis.summary.summarize`'s, from the spans tensorplay
 exported (the same derivation ``tensorplay report`` draws): allreduce latency, bytes,
 compression error, non-finite counts, compute per step, the end-of-step waits and the straggler
-verdict (the rule of the ``TensorplayStragglerRank`` alert), the Join figures. This module only
-lays them out, with what the demo itself knows: what it injected and where the metrics were.
+verdict (the rule of the ``TensorplayStragglerRank`` alert), the Join figures, and the ranks whose
+spans are missing, which the verdict cannot judge. This module only lays them out, with what the
+demo itself knows: what it injected and where the metrics were.
 
 Each rank reads its own span file and rank 0 gathers them over the process group
 (:mod:`tensorplay.demo.train`), so the table needs no filesystem shared between nodes.
@@ -43,15 +44,18 @@ def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: Ru
     ``no_sync_bug``: the no_sync() mistake the demo made, in words (None: none).
     """
     verdict = summary.verdict
+    missing = summary.world.missing if summary.world is not None else ()
     rows = [COLUMNS, *rank_rows(summary)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     table = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     on_nodes = f" on {nodes} nodes" if nodes > 1 else ""
     lines = [f"tensorplay demo: {len(facts)} ranks{on_nodes}, hook traced({hook})", "", *table, "",
              f"straggler: {verdict.evidence}"]
+    lines += [f"spans: {problem}" for problem in (summary.world.problems() if summary.world is not None else [])]
     injected = [f for f in facts if f.injected]
     for f in injected:
-        found = "found" if f.rank in verdict.ranks else "NOT found"
+        found = ("found" if f.rank in verdict.ranks else
+                 "cannot be judged: no spans of it" if f.rank in missing else "NOT found")
         lines.append(f"injected: rank {f.rank} {f.injected} ({found})")
     if not injected:
         lines.append("injected: none")

@@ -18,6 +18,7 @@ from tensorplay.analysis.span_reader import Spans, read_spans
 from tensorplay.analysis.straggler import Verdict
 from tensorplay.analysis.summary import ModelSummary, summarize
 from tensorplay.analysis.table import COLUMNS, rank_rows
+from tensorplay.analysis.world import World
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 
 from .page import Findings, ModelPart, Picture, Section, html_page
@@ -63,9 +64,16 @@ class Report:
     """Gradient reductions per optimizer step, unreduced steps, replica fingerprints: for the whole run."""
 
     @property
+    def world(self) -> World | None:
+        """The world size the spans say and the ranks they lack (the same for every model)."""
+        return self.models[0].summary.world if self.models else None
+
+    @property
     def problems(self) -> list[str]:
-        """What could not be read or trusted; the rest is drawn."""
+        """What could not be read or trusted, or is missing; the rest is drawn."""
         problems = list(self.spans.problems)
+        if self.world is not None:
+            problems += self.world.problems()
         duplicates = sum(part.run.duplicates for part in self.models)
         if duplicates:
             problems.append(f"{duplicates} hook spans repeat a (rank, model, step, bucket) already read: do the "
@@ -185,7 +193,7 @@ def _model_part(report: Report, part: ModelReport, plots) -> ModelPart:
     heading = (f"model {part.summary.model}: {len(run.ranks)} ranks, {run.steps} steps"
                if len(report.models) > 1 else "")
     return ModelPart(heading, part.verdict.evidence, part.verdict.rank is not None, COLUMNS,
-                     rank_rows(part.summary), sections)
+                     rank_rows(part.summary), sections, unjudged=bool(report.world and report.world.missing))
 
 
 def render_html(report: Report) -> str:
@@ -196,7 +204,9 @@ def render_html(report: Report) -> str:
     steps = ", ".join(str(part.run.steps) for part in report.models)
     hooks = sorted({hook.hook for part in report.models for hook in part.run.hook_bytes})
     models = f" · {len(report.models)} models" if len(report.models) > 1 else ""
-    run_line = (f"{report.source} · {len(ranks)} ranks{models} · {steps} steps · "
+    world = report.world
+    of_size = f" of {world.size}" if world is not None and world.missing else ""
+    run_line = (f"{report.source} · {len(ranks)}{of_size} ranks{models} · {steps} steps · "
                 f"hook {', '.join(hooks) or 'none'} · "
                 f"{len(report.spans.hooks) + len(report.spans.joins) + len(report.spans.optimizer_steps)} spans from {len(files)} "
                 f"file{'s' if len(files) != 1 else ''}")

@@ -24,7 +24,8 @@ def add_report_command(commands: argparse._SubParsersAction) -> None:
                     "configure_tracing(span_file='spans-rank{rank}.jsonl') - and write one HTML page of figures: compute per step per "
                     "rank, allreduce latency heatmaps, bytes per hook, compression error, Join, and the straggler "
                     f"verdict. Needs matplotlib ({INSTALL_HINT}). Exit status 2 when some input could not be "
-                    "read (what could be is still drawn).",
+                    "read or is missing: a rank of the job with no spans, which the verdict cannot judge (what "
+                    "could be read is still drawn).",
     )
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory, or one span file")
     report.add_argument("--out", type=Path, default=None, metavar="FILE",

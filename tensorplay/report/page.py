@@ -41,6 +41,8 @@ class ModelPart:
     columns: tuple[str, ...]
     rows: list[tuple[str, ...]]
     sections: list[Section]
+    unjudged: bool = False
+    """Some ranks of the job have no spans: a verdict of none is not a clean bill."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ p.how { color: #444; margin: 0.2em 0 0.6em; font-size: 0.95em; }
 p.note { color: #666; font-style: italic; }
 .verdict { border-left: 4px solid #d62728; padding: 0.4em 0.8em; background: #fdf3f3; }
 .verdict.none { border-color: #2ca02c; background: #f3fbf3; }
+.verdict.unjudged { border-color: #ff7f0e; background: #fff7ef; }
 .problems { border-left: 4px solid #ff7f0e; padding: 0.4em 0.8em; background: #fff7ef; }
 #sync { margin-top: 1.6em; }
 img { max-width: 100%; height: auto; display: block; }
@@ -87,7 +90,7 @@ def _table(part: ModelPart, prefix: str) -> str:
 
 def _model(part: ModelPart, index: int, several: bool) -> str:
     prefix = f"model{index}-" if several else ""
-    verdict_class = "verdict" if part.straggler_found else "verdict none"
+    verdict_class = "verdict" if part.straggler_found else "verdict unjudged" if part.unjudged else "verdict none"
     heading = f'<h1 id="{prefix}model">{escape(part.heading)}</h1>\n' if part.heading else ""
     return "\n".join([
         heading + f'<section class="{verdict_class}" id="{prefix}verdict"><strong>straggler:</strong> '
@@ -107,7 +110,7 @@ def _findings(findings: Findings) -> str:
 def html_page(title: str, run_line: str, problems: list[str], parts: list[ModelPart], findings: Findings) -> str:
     """The whole page: title, what was read, input problems, per model its verdict, table and sections, then the run's findings."""
     problem_items = "".join(f"<li>{escape(problem)}</li>" for problem in problems)
-    problem_block = (f'<section class="problems" id="problems"><h2>Input that could not be read</h2>'
+    problem_block = (f'<section class="problems" id="problems"><h2>Input that could not be read, or is missing</h2>'
                      f"<ul>{problem_items}</ul><p>Everything else was read and is drawn below.</p></section>\n"
                      if problems else "")
     return "\n".join([

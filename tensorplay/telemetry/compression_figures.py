@@ -1,8 +1,10 @@
 """The compression figures: relative L2 error and non-finite elements created by compression.
 
 Each figure is computed in exactly one place, here. On CPU the figures are plain numbers; on
-CUDA they stay 0-dim device tensors (no synchronization on the hot path) that the finisher
-turns into numbers later with :func:`to_number`.
+CUDA they are 0-dim device tensors (no synchronization on the hot path), copied by
+:func:`to_host` into pinned host memory on the stream that computed them, which the finisher
+reads with :func:`to_number` once an event recorded after the copy has happened: it never waits
+for a stream (a hung collective would hold it for good).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import math
 
 import torch
 
-__all__ = ["compression_figures", "cast_figures", "same_dtype_figures", "all_finite", "to_number", "error_value"]
+__all__ = [
+    "compression_figures", "cast_figures", "same_dtype_figures", "reduced_figures", "all_finite", "finite_flag",
+    "made_elsewhere", "any_of", "nonfinite_in", "to_host", "to_number", "error_value",
+]
 
 # Elements per slice of the CPU error pass: a 1 MiB float32 scratch slice stays in cache, and a
 # 25 MB bucket takes 25 slices of three calls each (2^16 took 100: 24 % slower per bucket,
@@ -95,6 +100,99 @@ def same_dtype_figures(original: torch.Tensor, with_error: bool) -> tuple[Figure
     if all_finite(original):
         return (0.0 if with_error else None), 0, 0
     return None, 0, int(_nonfinite_count(original))
+
+
+def reduced_figures(
+    original: torch.Tensor | None,
+    approximation: torch.Tensor,
+    *,
+    residual: torch.Tensor | None = None,
+    carried: torch.Tensor | None = None,
+    arrived: Figure | None = None,
+    elsewhere: bool | torch.Tensor = False,
+    with_error: bool = True,
+) -> tuple[Figure | None, Figure | None, Figure | None]:
+    """(relative error, non-finite elements made by this rank's compression, non-finite elements arrived)
+    of a compression whose result is the group's (PowerSGD's decompressed bucket).
+
+    ``original`` is what this rank compressed, the bucket plus ``carried`` (the error-feedback
+    residual it added; None: nothing), or None when the hook kept no copy: then ``arrived`` is its
+    count, taken before the hook overwrote it (None: not taken, and nothing is measured). What
+    arrived is the bucket's own non-finite elements: those of ``original`` where ``carried`` is
+    finite (where it is not, the element is the hook's memory's, whatever the bucket held).
+
+    The result is every rank's work, so its non-finite elements are counted as made by this rank
+    only where its own bucket held none and ``elsewhere`` is false (no reduced result brought in
+    another rank's non-finite elements; see :func:`made_elsewhere`); then they are all of them,
+    those its carried memory brought in included. A bucket that held some made no more: PowerSGD
+    spreads one non-finite element over its whole matrix, which is the input's doing.
+
+    A finite ``residual`` (original minus approximation) proves both terms finite, so a healthy
+    bucket costs one pass over it, or none on a sampled step, whose norms prove it.
+    """
+    if approximation.is_cuda:
+        return _cuda_reduced_figures(original, approximation, residual, carried, arrived, elsewhere, with_error)
+    error: float | None = None
+    proven = False
+    if original is not None and with_error:
+        if residual is not None:
+            residual_norm = float(torch.linalg.vector_norm(residual))
+            error = _ratio(residual_norm, float(torch.linalg.vector_norm(original)))
+            proven = math.isfinite(residual_norm)
+        else:
+            error_sq, reference_sq = _squared_norms_by_slices(original.reshape(-1), approximation.reshape(-1), 1.0)
+            proven = math.isfinite(error_sq) and math.isfinite(reference_sq)
+            error = _ratio(error_sq**0.5, reference_sq**0.5) if proven else None
+    elif residual is not None:
+        proven = all_finite(residual)
+    if proven:
+        return error, 0, 0
+    if original is not None:
+        arrived = _arrived_count(original, carried)
+    elif arrived is None:
+        return None, None, None
+    if arrived or elsewhere:
+        return error, 0, arrived
+    return error, nonfinite_in(approximation), arrived
+
+
+def _arrived_count(original: torch.Tensor, carried: torch.Tensor | None) -> int:
+    """Non-finite elements of ``original`` where ``carried`` is finite (CPU; a finite sum spares the count)."""
+    if all_finite(original):
+        return 0  # a finite sum of bucket and carried: both finite
+    if carried is None:
+        return int(_nonfinite_count(original))
+    return int((~torch.isfinite(original) & torch.isfinite(carried)).sum())
+
+
+def _cuda_reduced_figures(
+    original: torch.Tensor | None,
+    approximation: torch.Tensor,
+    residual: torch.Tensor | None,
+    carried: torch.Tensor | None,
+    arrived: Figure | None,
+    elsewhere: bool | torch.Tensor,
+    with_error: bool,
+) -> tuple[Figure | None, Figure | None, Figure | None]:
+    """The figures of :func:`reduced_figures` as 0-dim device tensors: nothing here waits for the device."""
+    if original is not None:
+        nonfinite = ~torch.isfinite(original)
+        arrived = (nonfinite & torch.isfinite(carried) if carried is not None else nonfinite).sum()
+    elif arrived is None:
+        return None, None, None
+    clean = torch.as_tensor(arrived, device=approximation.device) == 0
+    if isinstance(elsewhere, torch.Tensor):
+        clean = clean & ~elsewhere
+    elif elsewhere:
+        clean = torch.zeros_like(clean)
+    made = _nonfinite_count(approximation)
+    made = torch.where(clean, made, torch.zeros_like(made))
+    error = None
+    if with_error and original is not None:
+        numerator = torch.linalg.vector_norm(residual if residual is not None else original - approximation)
+        denominator = torch.linalg.vector_norm(original)
+        error = torch.where(denominator > 0, numerator / denominator, torch.zeros_like(numerator))
+    return error, made, arrived
 
 
 def _cast(original: torch.Tensor, dtype: torch.dtype, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,13 +289,64 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
+def finite_flag(tensor: torch.Tensor) -> bool | torch.Tensor:
+    """Whether every element of ``tensor`` is finite: a bool on CPU (:func:`all_finite`), a 0-dim bool on CUDA (not waited for)."""
+    if tensor.is_cuda:
+        return torch.isfinite(tensor).all()
+    return all_finite(tensor)
+
+
+def made_elsewhere(sent: bool | torch.Tensor, received: bool | torch.Tensor) -> bool | torch.Tensor:
+    """Whether a reduced result brought in non-finite elements: this rank's contribution was finite, the result is not.
+
+    The other ranks' contributions held them, or the sum of finite ones overflowed: either way
+    not this rank's doing.
+    """
+    if isinstance(received, torch.Tensor):
+        return sent & ~received  # type: ignore[operator]
+    return bool(sent) and not received
+
+
+def any_of(flags: list[bool | torch.Tensor]) -> bool | torch.Tensor:
+    """Whether any of the flags is set (on CUDA, a 0-dim device bool)."""
+    if flags and isinstance(flags[0], torch.Tensor):
+        return torch.stack(flags).any()  # type: ignore[arg-type]
+    return any(flags)
+
+
+def nonfinite_in(tensor: torch.Tensor) -> Figure:
+    """Non-finite elements of ``tensor``: on CPU a finite sum spares the counting pass; on CUDA a device count."""
+    if tensor.is_cuda:
+        return _nonfinite_count(tensor)
+    return 0 if all_finite(tensor) else int(_nonfinite_count(tensor))
+
+
 def _nonfinite_count(tensor: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(tensor)).sum()
 
 
+def to_host(figure: Figure | None) -> Figure | None:
+    """A CUDA figure's copy in pinned host memory, enqueued on the current stream; any other figure as it is.
+
+    Nothing waits: a non-blocking copy to the host lands in pinned memory that torch allocates
+    for it, and is read only once an event recorded after it on that same stream (the one that
+    computed the figure) has happened.
+    """
+    if not isinstance(figure, torch.Tensor) or not figure.is_cuda:
+        return figure
+    return figure.to("cpu", non_blocking=True)
+
+
 def to_number(figure: Figure) -> float | int:
-    """Resolve a figure to a Python number (on CUDA: once its stage's ready stamp has happened)."""
-    return figure.item() if isinstance(figure, torch.Tensor) else figure
+    """A figure as a Python number, read from host memory (a CUDA figure: its :func:`to_host` copy, once copied).
+
+    A figure still on the device is refused: reading it would wait for its stream.
+    """
+    if not isinstance(figure, torch.Tensor):
+        return figure
+    if figure.is_cuda:
+        raise ValueError("tensorplay: a CUDA figure must be read from its host copy (to_host), not the device")
+    return figure.item()
 
 
 def error_value(figure: Figure | None) -> float | None:

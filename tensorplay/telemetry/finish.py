@@ -13,12 +13,18 @@ That one daemon thread, ``tensorplay-finisher``, does the rest of tensorplay's o
 way, and it ends every span tensorplay started -- hook spans and ``Join`` spans -- because span
 processors run inside ``span.end()`` and an application's processor may export in line to a slow
 or dead collector. It never completes a future and never runs a user's callback, so nothing a
-user chained can wait on it. The queue is bounded: when it is full a span is dropped and counted.
+user chained can wait on it. It has two queues. Spans to end are bounded: when that queue is
+full a span is dropped and counted. CUDA records are never dropped, since each holds its metrics
+and its collectives' place in the in-flight gauge: the thread finishes every record whose events
+happened between two span ends, and when the records outnumber the spans' bound (a span
+processor stuck in ``end()``), the thread that hands one over finishes those already done itself.
 
 Every traced call is pending from the moment its record is handed over (its hook's future
 completed, or the hook raised) until its span has ended (or was dropped); :func:`flush` waits
 until nothing is. DDP's backward returns only once every bucket's future completed, so a flush
-after it waits for every call of that backward.
+after it waits for every call of that backward. A hook that raised after launching collectives
+hands its record over too: it is finished on the thread once they completed, and they stay in
+flight until then.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ _EXIT_FLUSH_S = 5.0
 """How long the exit hook waits for the spans of the last steps."""
 
 CAPACITY = 2048
-"""Jobs the thread may have waiting; beyond that a span is dropped and counted."""
+"""Spans the thread may have waiting to end; beyond that a span is dropped and counted. Also the
+number of CUDA records waiting beyond which the thread handing one over finishes those already done."""
 
 SLOW_END_S = 0.1
 """An ``end()`` this long means a span processor that exports in line to somewhere slow (a healthy
@@ -151,8 +158,10 @@ class Finisher:
         self._capacity = capacity
         self._pending = 0
         self._wake = threading.Condition()
-        self._jobs: deque[_SpanEnd | BucketRecord] = deque()
-        """Spans to end, and CUDA records whose events have not all happened yet."""
+        self._spans: deque[_SpanEnd] = deque()
+        """Spans to end: at most ``capacity``."""
+        self._records: deque[BucketRecord] = deque()
+        """Records waiting for their events (CUDA) or collectives (a hook that raised): never dropped (see :meth:`_hold`)."""
         self._thread: threading.Thread | None = None
         self._exit_flush_registered = False
         self._slow_warned_at: float | None = None
@@ -166,7 +175,8 @@ class Finisher:
         """
         self._pending = 0
         self._wake = threading.Condition()
-        self._jobs = deque()
+        self._spans = deque()
+        self._records = deque()
         self._thread = None
 
     # -- the training thread and the callbacks of futures --
@@ -195,12 +205,26 @@ class Finisher:
         """
         self._admit()
         if record.device is not None:
-            self._submit(record)
+            self._hold(record)
         else:
             self._finish(record)
 
+    def raised(self, record: BucketRecord, error: BaseException) -> None:
+        """The hook of ``record`` raised ``error``: its span ends with it.
+
+        A record that launched collectives is finished on the thread once they all completed (on
+        CUDA, once their events happened too): they stay in flight until then, and its metrics
+        count what was sent. One that launched none only ends its span.
+        """
+        if not record.launches:
+            self.abandoned(record.span, error=error)
+            return
+        record.error = record.error or error
+        self._admit()
+        self._hold(record)
+
     def abandoned(self, span: OwnedSpan, error: BaseException | None = None, incomplete: str | None = None) -> None:
-        """End the span of a call that produced no record to finish (the hook raised, say)."""
+        """End the span of a call that produced no record to finish (the hook raised before launching, say)."""
         self._admit()
         self._submit(_SpanEnd(span, error=error, incomplete=incomplete))
 
@@ -217,7 +241,7 @@ class Finisher:
     def waiting(self) -> int:
         """Jobs queued for the thread (spans to end, CUDA records waiting for their events)."""
         with self._wake:
-            return len(self._jobs)
+            return len(self._spans) + len(self._records)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every pending call is finished; False if ``timeout`` ran out first."""
@@ -261,22 +285,50 @@ class Finisher:
         else:
             self._submit(job)
 
-    def _submit(self, job: _SpanEnd | BucketRecord) -> None:
+    def _submit(self, job: _SpanEnd) -> None:
+        """Queue a span to end on the thread, or drop it (counted) when the queue is full."""
         with self._wake:
-            if len(self._jobs) < self._capacity:
-                self._jobs.append(job)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="tensorplay-finisher", daemon=True)
-                    self._thread.start()
-                self._wake.notify()
+            if len(self._spans) < self._capacity:
+                self._spans.append(job)
+                self._started()
                 return
-        self._dropped(job)
-
-    def _dropped(self, job: _SpanEnd | BucketRecord) -> None:
-        record = job if isinstance(job, BucketRecord) else job.record
-        if record is not None:
-            _count(record, "span_dropped")
+        if job.record is not None:
+            _count(job.record, "span_dropped")
         self._done()
+
+    def _hold(self, record: BucketRecord) -> None:
+        """Keep a record until its collectives completed and its events happened; it is never dropped.
+
+        What bounds them: the thread finishes every record whose events happened before it ends
+        the next span, and the host runs only so far ahead of the device (on NCCL a hook's future
+        completes at enqueue, but CUDA's launch queue holds the host back). Only a span processor
+        stuck in ``end()`` stops the thread: then, beyond ``capacity`` records, the thread handing
+        one over finishes the oldest ones that are done (reading them waits for nothing).
+        """
+        with self._wake:
+            self._records.append(record)
+            self._started()
+            crowded = len(self._records) > self._capacity
+        if crowded:
+            self._finish_done_records()
+
+    def _started(self) -> None:
+        """Start the thread if it is not running, and wake it (the caller holds the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tensorplay-finisher", daemon=True)
+            self._thread.start()
+        self._wake.notify()
+
+    def _finish_done_records(self) -> bool:
+        """Finish, oldest first, the held records whose events have happened; whether any was."""
+        finished = False
+        while True:
+            with self._wake:
+                if not self._records or not _events_happened(self._records[0]):
+                    return finished
+                record = self._records.popleft()
+            self._finish(record)
+            finished = True
 
     def _done(self) -> None:
         with self._wake:
@@ -290,27 +342,30 @@ class Finisher:
         pause = _FIRST_POLL_S
         while True:
             with self._wake:
-                while not self._jobs:
+                while not self._spans and not self._records:
                     self._wake.wait()
-                batch, self._jobs = self._jobs, deque()
-            taken = len(batch)
-            waiting: list[BucketRecord] = []
-            while batch:  # popped one by one: each job (and its record) is let go once it is done
-                job = batch.popleft()
-                if isinstance(job, BucketRecord):
-                    if _events_happened(job):
-                        self._finish(job)
-                    else:
-                        waiting.append(job)
+                records, self._records = self._records, deque()
+                span = self._spans.popleft() if self._spans else None
+            taken = len(records)
+            waiting: deque[BucketRecord] = deque()
+            while records:  # popped one by one: each record is let go once it is finished
+                record = records.popleft()
+                if _events_happened(record):
+                    self._finish(record)
                 else:
-                    self._end(job)
-                del job
+                    waiting.append(record)
+                del record
+            progressed = len(waiting) < taken
+            if waiting:
+                with self._wake:
+                    self._records.extendleft(reversed(waiting))
+            if span is not None:  # one span per round: records that became done meanwhile come first
+                self._end(span)
+                del span
+                continue
             if not waiting:
                 pause = _FIRST_POLL_S
                 continue
-            with self._wake:
-                self._jobs.extendleft(reversed(waiting))
-            progressed = len(waiting) < taken
             pause = _FIRST_POLL_S if progressed else min(pause * 2, _SLOWEST_POLL_S)
             del waiting
             time.sleep(pause)
@@ -341,7 +396,13 @@ class Finisher:
 
 
 def _events_happened(record: BucketRecord) -> bool:
-    """Whether every CUDA event the record's numbers are read from has completed."""
+    """Whether every collective's future completed and every CUDA event the numbers are read from happened.
+
+    A collective whose future has not completed (of a hook that raised, say) is in flight: its
+    record waits with it, so that it leaves the in-flight gauge only once it is done.
+    """
+    if None in record.ends.stamps:
+        return False
     points = [record.called, record.ends.completed, *record.launches, *record.ends.stamps]
     points += [stage.ready for stage in record.stages if stage.ready is not None]
     for previous in (record.previous_step_end, record.step_start):

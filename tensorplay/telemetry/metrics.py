@@ -47,8 +47,8 @@ JOIN_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 60
 class _WithoutCreated:
     """Serves a registry's families without their ``_created`` samples.
 
-    prometheus_client adds one ``<name>_created`` series per counter and histogram child: 9 of a
-    rank's 85 series with one hook, read by no rule, panel or alert (Prometheus 2.x stores them as
+    prometheus_client adds one ``<name>_created`` series per counter and histogram child: 15 of a
+    rank's 97 series with one hook, read by no rule, panel or alert (Prometheus 2.x stores them as
     plain gauges). Dropping them here, rather than with prometheus_client's process-wide
     ``disable_created_metrics()``, leaves an application's own metrics in the same process as
     they are.
@@ -113,6 +113,16 @@ class TensorplayMetrics:
         )
         self.steps = Counter(
             Metric.STEPS, "Steps whose end wait tensorplay_step_wait_seconds_total counts.", hook_labels, registry=r
+        )
+        # One timeline per step (docs/telemetry.md, "Busy time and exposed communication").
+        self.step_busy, self.step_exposed_communication, self.step_communication = (
+            Counter(name, description, hook_labels, registry=r) for name, description in (
+                (Metric.STEP_BUSY, "Seconds of this rank's own work in those steps: the previous step's last "
+                                   "collective done to the step's last hook call."),
+                (Metric.STEP_EXPOSED_COMMUNICATION, "Seconds those steps waited for communication: the last hook "
+                                                    "call to the last of their hook futures done."),
+                (Metric.STEP_COMMUNICATION, "Seconds of those steps with at least one of their traced collectives in flight."),
+            )
         )
         self.last_step_timestamp = Gauge(
             Metric.LAST_STEP_TIMESTAMP, "Unix time of this rank's latest hook call.", rank_label, registry=r
@@ -349,11 +359,18 @@ def _warn_not_served(problem: str, metrics: TensorplayMetrics, reason: str) -> N
 
 
 def disable_metrics() -> None:
-    """Turn metrics off and stop serving them."""
+    """Turn metrics off: stop serving them and take tensorplay's families out of their registry.
+
+    Where that registry is the application's own (``enable_metrics(registry=prometheus_client.REGISTRY,
+    serve=False)``), its endpoint then no longer serves tensorplay's last values, frozen, and
+    :func:`enable_metrics` may register fresh families there again.
+    """
     global _active, _server
     with _lock:
         if _server is not None:
             _server.close()
+        if _active is not None:
+            _active.withdraw()
         _active = None
         _server = None
 

@@ -9,14 +9,19 @@ is placed using two
 facts: DDP launches a model's buckets in index order 0..last every iteration, and a rebuilt
 bucket holds only parameters its model already reduced. So an unseen buffer goes to a model that
 owns every one of its parameters and expects its index next; failing that, a bucket 0 starts a new
-model and a later bucket continues the model whose first iteration expects it. Two models that
-share a parameter stay two: each also holds parameters the other does not.
+model and a later bucket continues the model whose first iteration expects it. Where several
+models fit (models sharing a parameter, a bucket that holds only shared ones; two models in their
+first iteration at once), two more facts decide: a model has one buffer per bucket at a time (its
+rebuild frees the old ones), so a model whose buffer for that index is alive is not the one
+getting a new one; and a model's backward runs on one thread at a time, so of two models trained
+from two threads the one last placed on this thread is this bucket's.
 
 Parameters and buffers are held weakly, and a model's state lives as long as one of its
 parameters: a model that is freed takes its state (step count, when its last step ended) with
 it. The next new model reuses its number, so labels stay bounded, and starts afresh.
-A lock makes placing safe when two threads run backward passes; each model's counters belong to
-the one thread that runs its backward.
+A lock makes placing safe when two threads run backward passes (it reads other models' counters,
+which their own threads write without it: a stale read is only ever a tie the facts above break);
+each model's counters belong to the one thread that runs its backward.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ import functools
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .recorder import BucketLayout, CollectiveEnds
+
+if TYPE_CHECKING:
+    from .step_timeline import StepTimeline
 
 __all__ = ["ModelSteps", "ModelsOfHook", "KnownBucket", "CallPlace"]
 
@@ -39,7 +47,11 @@ _logger = logging.getLogger(__name__)
 class ModelSteps:
     """One model's iteration count as seen by a traced hook."""
 
-    __slots__ = ("index", "step", "expected_bucket", "previous_step_end", "rank_and_world", "__weakref__")
+    __slots__ = (
+        "index", "step", "expected_bucket", "previous_step_end", "rank_and_world", "buffers", "placed_on",
+        "timeline",
+        "__weakref__",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -53,6 +65,12 @@ class ModelSteps:
         """This rank and the size of the group the hook reduces over, read at the step's first bucket
         (every bucket of a step reduces over the same group; asking ``torch.distributed`` costs the
         training thread tens of microseconds per bucket after a backward pass)."""
+        self.buffers: dict[int, weakref.ref] = {}
+        """Bucket index -> this model's latest buffer for it, weakly (written only while placing, under the lock)."""
+        self.placed_on: Optional[int] = None
+        """The thread that placed this model's latest new buffer (the thread running its backward then)."""
+        self.timeline: StepTimeline | None = None
+        """The iteration in progress, if the step counters count it: one per model at a time."""
 
 
 class KnownBucket:
@@ -171,8 +189,10 @@ class ModelsOfHook:
             except Exception:  # a bucket without parameters (a test double): one model
                 _logger.debug("tensorplay: cannot tell which model a bucket belongs to", exc_info=True)
                 model = self._single()
-            forget = functools.partial(self._forget, key)
-            known = self._by_buffer[key] = KnownBucket(model, index, last, BucketLayout(buffer), weakref.ref(buffer, forget))
+            reference = weakref.ref(buffer, functools.partial(self._forget, key))
+            known = self._by_buffer[key] = KnownBucket(model, index, last, BucketLayout(buffer), reference)
+            model.buffers[index] = reference
+            model.placed_on = threading.get_ident()
         return known
 
     def _forget(self, key: int, dead: weakref.ref) -> None:
@@ -192,9 +212,9 @@ class ModelsOfHook:
         index = bucket.index()
         alive = [model for model in (ref() for ref in self._models) if model is not None]
         owners = [model for model in alive if all(model in self._by_parameter.get(p, ()) for p in parameters)]
-        model = next((m for m in owners if m.expected_bucket == index), None)
+        model = _likeliest([m for m in owners if m.expected_bucket == index], index, buffer)
         if model is None and index > 0:  # a first iteration: the model that expects this bucket
-            model = next((m for m in alive if m.expected_bucket == index), None)
+            model = _likeliest([m for m in alive if m.expected_bucket == index], index, buffer)
         if model is None:
             model = self._new_model()
         for parameter in parameters:
@@ -220,3 +240,22 @@ class ModelsOfHook:
         model = ModelSteps(len(self._models))
         self._models.append(weakref.ref(model))
         return model
+
+
+def _likeliest(candidates: list[ModelSteps], index: int, buffer: Any) -> Optional[ModelSteps]:
+    """Of the models a new ``buffer`` for bucket ``index`` fits, the one it belongs to (None: none fits).
+
+    First the models that hold no other live buffer for that index (DDP's rebuild frees a model's
+    old buffers before its next backward), then the one last placed on this thread; among equals,
+    the first (the order models first reduced a bucket).
+    """
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    thread = threading.get_ident()
+
+    def unlikeliness(model: ModelSteps) -> tuple[bool, bool]:
+        current = model.buffers.get(index)
+        held = current() if current is not None else None
+        return held is not None and held is not buffer, model.placed_on != thread
+
+    return min(candidates, key=unlikeliness)

@@ -42,6 +42,9 @@ class Attr:
     OPTIMIZER_REDUCTIONS = "tensorplay.optimizer.reductions"
     OPTIMIZER_UNREDUCED = "tensorplay.optimizer.unreduced"
     REPLICA_FINGERPRINT = "tensorplay.replica.fingerprint"
+    STEP_BUSY_MS = "tensorplay.step.busy_ms"
+    STEP_EXPOSED_COMMUNICATION_MS = "tensorplay.step.exposed_communication_ms"
+    STEP_COMMUNICATION_MS = "tensorplay.step.communication_ms"
 
 
 class Metric:
@@ -71,3 +74,6 @@ class Metric:
     UNREDUCED_OPTIMIZER_STEPS = "tensorplay_unreduced_optimizer_steps"
     REPLICA_FINGERPRINT = "tensorplay_replica_fingerprint"
     REPLICA_FINGERPRINT_STEP = "tensorplay_replica_fingerprint_step"
+    STEP_BUSY = "tensorplay_step_busy_seconds"
+    STEP_EXPOSED_COMMUNICATION = "tensorplay_step_exposed_communication_seconds"
+    STEP_COMMUNICATION = "tensorplay_step_communication_seconds"

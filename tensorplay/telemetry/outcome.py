@@ -1,19 +1,22 @@
 """The numbers of a finished hook record, and the one place the per-bucket hook metrics are written.
 
-:func:`outcome` reads a completed record (on CUDA once its events happened), :func:`observe`
-writes its metric observations, :func:`span_attributes` builds the contract's span attributes.
+:func:`outcome` reads a completed record (on CUDA once its events happened) and folds it into its
+iteration's :class:`~tensorplay.telemetry.step_timeline.StepTimeline`, :func:`observe` writes its
+metric observations (and the step counters, once per iteration, from the record that closed it),
+:func:`span_attributes` builds the contract's span attributes.
 The live gauges (the last hook call, the collectives in flight) are set where they change, in
 :mod:`.traced` and :mod:`.recorder`, so they stay true while a collective hangs.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-from .compression_figures import error_value, to_number
+from .compression_figures import Figure, error_value, to_number
 from .names import Attr
 from .recorder import BucketRecord
-from .timing import seconds_between, unix_ns
+from .step_timeline import StepFigures
+from .timing import Stamp, seconds_between, unix_ns
 
 if TYPE_CHECKING:
     from .finish import OwnedSpan
@@ -30,10 +33,13 @@ class Outcome(NamedTuple):
     """For a counted step's last bucket: the end of the previous step to the end of this one."""
     wire_bytes: int
     collectives: int
-    nonfinite: int
+    nonfinite: int | None
+    """None where a stage's count was not measured (its compression never completed)."""
     bucket_nonfinite: int | None
     relative_error: float | None
     end_unix_ns: int | None
+    step: StepFigures | None = None
+    """The step figures of the iteration this record closed (the last of its records to finish)."""
 
 
 def outcome(record: BucketRecord) -> Outcome:
@@ -41,21 +47,43 @@ def outcome(record: BucketRecord) -> Outcome:
     stages = record.stages
     errors = [error_value(stage.relative_error) for stage in stages]
     completed = record.ends.completed
+    latency_s, step_s = latency_seconds(record), _step_seconds(record)
     return Outcome(
-        latency_s=latency_seconds(record),
+        latency_s=latency_s,
         compute_s=_compute_seconds(record),
-        step_s=_step_seconds(record),
+        step_s=step_s,
         wire_bytes=wire_bytes(record),
         collectives=collective_count(record),
-        nonfinite=sum(int(to_number(stage.nonfinite)) for stage in stages),
+        nonfinite=_total(stage.nonfinite for stage in stages),
         # What the first stage compressed is the bucket as DDP handed it over.
-        bucket_nonfinite=int(to_number(stages[0].input_nonfinite)) if stages else None,
+        bucket_nonfinite=_total([stages[0].input_nonfinite]) if stages else None,
         # Stages compose (a wrapper around a compressing hook): their relative errors add up,
         # which bounds the end-to-end error to first order (triangle inequality). One stage is
         # exact. A stage without a finite figure leaves the call without one.
         relative_error=float(sum(errors)) if stages and None not in errors else None,  # type: ignore[arg-type]
         end_unix_ns=unix_ns(completed, record.called) if completed is not None else None,
+        step=_folded(record, latency_s, step_s),
     )
+
+
+def _folded(record: BucketRecord, latency_s: float, step_s: float | None) -> StepFigures | None:
+    """Fold the record into its iteration (once); the iteration's figures if that closed it."""
+    timeline, record.timeline = record.timeline, None
+    if timeline is None:
+        return None
+    completed = record.ends.completed if record.ends.completed is not None else record.ends.last()
+    return timeline.fold(record.called, collective_intervals(record), completed, latency_s, step_s)
+
+
+def collective_intervals(record: BucketRecord) -> list[tuple[Stamp, Stamp]]:
+    """Launch to completion of each collective the call ran, as the latency reads them.
+
+    A user's hook, which reports none, is one collective from its call to its future's completion.
+    """
+    if record.reports_collectives:
+        return [(launch, end) for launch, end in zip(record.launches, record.ends.stamps) if end is not None]
+    completed = record.ends.completed
+    return [(record.called, completed)] if completed is not None else []
 
 
 def latency_seconds(record: BucketRecord) -> float:
@@ -98,13 +126,20 @@ def span_attributes(record: BucketRecord, numbers: Outcome) -> dict[str, object]
         Attr.BUCKET_BYTES: record.bytes,
         Attr.BUCKET_WIRE_BYTES: numbers.wire_bytes,
         Attr.BUCKET_DTYPE: str(record.dtype).removeprefix("torch."),
-        Attr.COMPRESSION_NONFINITE: numbers.nonfinite,
         Attr.ALLREDUCE_LATENCY_MS: numbers.latency_s * 1e3,
         Attr.ALLREDUCE_COUNT: numbers.collectives,
         Attr.MODEL: record.model,
     }
+    if numbers.nonfinite is not None:  # left out where it was not measured
+        attributes[Attr.COMPRESSION_NONFINITE] = numbers.nonfinite
+    step = numbers.step
+    if step is not None:  # the span of the call that closed its iteration
+        attributes[Attr.STEP_BUSY_MS] = step.busy_s * 1e3
+        attributes[Attr.STEP_EXPOSED_COMMUNICATION_MS] = step.exposed_s * 1e3
+        attributes[Attr.STEP_COMMUNICATION_MS] = step.communication_s * 1e3
     if record.stages:
         attributes[Attr.COMPRESSION_DTYPE] = "+".join(stage.kind for stage in record.stages)
+    if numbers.bucket_nonfinite is not None:
         attributes[Attr.BUCKET_NONFINITE] = numbers.bucket_nonfinite
         if numbers.relative_error is not None:
             attributes[Attr.COMPRESSION_RELATIVE_ERROR] = numbers.relative_error
@@ -123,19 +158,36 @@ def observe(record: BucketRecord, numbers: Outcome, exemplar: OwnedSpan | None =
     child(metrics.allreduce_latency, rank, hook).observe(numbers.latency_s, _exemplar(exemplar))
     child(metrics.bucket_bytes, rank, hook).inc(record.bytes)
     child(metrics.wire_bytes, rank, hook).inc(numbers.wire_bytes)
-    child(metrics.nonfinite, rank, hook).inc(numbers.nonfinite)
+    if numbers.nonfinite is not None:
+        child(metrics.nonfinite, rank, hook).inc(numbers.nonfinite)
     if numbers.bucket_nonfinite is not None:
         child(metrics.bucket_nonfinite, rank, hook).inc(numbers.bucket_nonfinite)
     if numbers.relative_error is not None:
         child(metrics.compression_error, rank, hook).observe(numbers.relative_error)
     if numbers.compute_s is not None:
         child(metrics.step_compute, rank).observe(numbers.compute_s)
-    if numbers.step_s is not None:
+    step = numbers.step
+    if step is not None:
         # The last bucket's wait is how long this rank stood at the step's end for the last of its
         # peers to arrive: what the peers did not wait for it (docs/telemetry.md, "Lateness").
-        child(metrics.step_wait, rank, hook).inc(numbers.latency_s)
-        child(metrics.step_seconds, rank, hook).inc(numbers.step_s)
+        # Every step counter is written here, once per iteration, by the record that closed it
+        # (docs/telemetry.md, "Busy time and exposed communication").
+        child(metrics.step_wait, rank, hook).inc(step.wait_s)
+        child(metrics.step_seconds, rank, hook).inc(step.step_s)
+        child(metrics.step_busy, rank, hook).inc(step.busy_s)
+        child(metrics.step_exposed_communication, rank, hook).inc(step.exposed_s)
+        child(metrics.step_communication, rank, hook).inc(step.communication_s)
         child(metrics.steps, rank, hook).inc()
+
+
+def _total(counts: Iterable[Figure | None]) -> int | None:
+    """The sum of counts, None if one of them was not measured."""
+    total = 0
+    for count in counts:
+        if count is None:
+            return None
+        total += int(to_number(count))
+    return total
 
 
 def _compute_seconds(record: BucketRecord) -> float | None:

@@ -50,8 +50,15 @@ _REPORTS_ATTR = "_tensorplay_reports_collectives"
 class HookRecorder(Protocol):
     """What a hook reports about one bucket of one iteration."""
 
-    def collective_launching(self, tensor: torch.Tensor) -> Any:
-        """Note that ``tensor`` is about to enter a collective; returns a token for ``collective_launched``."""
+    def collective_launching(self, tensor: torch.Tensor, watch_nonfinite: bool = False) -> Any:
+        """Note that ``tensor`` is about to enter a collective; returns a token for ``collective_launched``.
+
+        ``watch_nonfinite``: ``tensor`` is small and is this rank's own contribution, made from
+        its input (PowerSGD's factors, the tensors it reduces uncompressed): the recorder notes
+        whether it is finite now and whether the reduced result is, since a result that is not
+        although this rank's contribution was holds another rank's non-finite elements (or an
+        overflowing sum), which this rank did not make.
+        """
 
     def collective_launched(self, token: Any, future: torch.futures.Future) -> torch.futures.Future:
         """Note the future of the collective announced by ``token``; return the future to chain on.
@@ -66,21 +73,40 @@ class HookRecorder(Protocol):
     def wants_compression_error(self) -> bool:
         """Whether this call samples the exact compression error (it costs a pass over the bucket)."""
 
+    def compression_input(self, kind: str, tensor: torch.Tensor) -> None:
+        """Report what a compression of ``kind`` compressed on this rank, right before the hook overwrites it.
+
+        For a compression whose result overwrites its input and that :meth:`compression` then
+        reports without a copy of the input (``original=None``: PowerSGD without error feedback,
+        on a step that does not sample the error): the recorder counts its non-finite elements now.
+        """
+
     def compression(
         self,
         kind: str,
-        original: torch.Tensor,
+        original: torch.Tensor | None,
         approximation: torch.Tensor | None = None,
         *,
         scale: float = 1.0,
         residual: torch.Tensor | None = None,
         recomputable: bool = False,
+        carried: torch.Tensor | None = None,
+        reduced: bool = False,
     ) -> None:
         """Report one compression stage.
 
         ``original`` is this rank's full-precision contribution. Either ``approximation * scale``
         is what compression made of it, or ``residual`` is ``original`` minus that (PowerSGD's
         error feedback). Must be called before the collective that reuses ``approximation``.
+
+        ``reduced``: ``approximation`` is the group's result, made from every rank's compressed
+        contribution (PowerSGD's decompressed bucket), so its non-finite elements may be another
+        rank's: they count as made by this rank's compression only where this rank's input was
+        finite and no watched collective (see :meth:`collective_launching`) brought in another
+        rank's. ``original`` is None when the hook kept no copy (its input was reported with
+        :meth:`compression_input`); ``carried`` is what the hook added to the bucket before
+        compressing it (PowerSGD's error-feedback residual of the previous step), so that only
+        the bucket's own non-finite elements count as arrived with it.
 
         ``recomputable`` promises that ``approximation`` is exactly ``original`` cast to its dtype
         and divided by ``scale``, that a collective reporting ``approximation`` itself (divided

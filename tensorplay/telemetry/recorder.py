@@ -12,7 +12,10 @@ buffer no one has rewritten:
   it, on the thread that completes that collective, before the hook's decompression (chained
   after it) rewrites the input; a finite all-reduced sum proves every rank's cast finite, so a
   healthy bucket costs one pass over the compressed tensor there;
-* everything else (PowerSGD, CUDA) is measured when the hook reports it.
+* everything else (PowerSGD, CUDA) is measured when the hook reports it. PowerSGD's result is
+  the group's: the recorder watches its collectives (is this rank's contribution finite, is the
+  reduced result?) so that a non-finite element another rank brought in is not counted as made
+  by this rank's compression.
 
 :meth:`BucketRecord.follow` chains one plain ``then`` on the hook's future: it stamps the
 completion and hands the record to the finisher, once. Nothing here may raise into training:
@@ -34,6 +37,7 @@ from .timing import Stamp, stamp
 
 if TYPE_CHECKING:
     from .finish import OwnedSpan
+    from .step_timeline import StepTimeline
 
 __all__ = ["BucketLayout", "BucketRecord", "CollectiveEnds", "CompressionStage"]
 
@@ -46,12 +50,13 @@ class CompressionStage:
 
     kind: str
     relative_error: figures.Figure | None
-    nonfinite: figures.Figure
-    """Elements compression made non-finite."""
-    input_nonfinite: figures.Figure
-    """Elements already non-finite in what this stage compressed."""
+    nonfinite: figures.Figure | None
+    """Elements compression made non-finite (None: not measured)."""
+    input_nonfinite: figures.Figure | None
+    """Elements already non-finite in what this stage compressed (None: not measured)."""
     ready: Stamp | None = None
-    """On CUDA, reached once the figures (computed on whatever stream was current) are written."""
+    """On CUDA, reached once the figures' host copies are written: recorded after the copies, on the
+    stream that computed the figures and copied them."""
 
 
 @dataclass
@@ -66,6 +71,20 @@ class _PendingCast:
     original: torch.Tensor
     approximation: torch.Tensor
     scale: float
+
+
+def _stage(
+    kind: str,
+    error: figures.Figure | None,
+    nonfinite: figures.Figure | None,
+    input_nonfinite: figures.Figure | None,
+    like: torch.Tensor,
+) -> CompressionStage:
+    """A compression stage with its figures; on CUDA their host copies, ready once a stamp after the copies happened."""
+    if not like.is_cuda:
+        return CompressionStage(kind, error, nonfinite, input_nonfinite)
+    copies = [figures.to_host(figure) for figure in (error, nonfinite, input_nonfinite)]
+    return CompressionStage(kind, *copies, ready=stamp(like.device))  # type: ignore[arg-type]
 
 
 class CollectiveEnds:
@@ -112,7 +131,8 @@ class BucketRecord:
         "hook", "model", "hook_label", "reports_collectives", "step", "rank", "rank_label", "world_size",
         "bucket_index", "numel", "bytes", "dtype", "device", "sample_error", "span", "metrics",
         "previous_step_end", "step_start", "called", "launches", "ends", "_in_flight", "wire_bytes",
-        "stages", "_pending_casts", "_proven_by", "returned_buffer_bytes", "error", "failures",
+        "stages", "_pending_casts", "_proven_by", "_sent_finite", "_elsewhere", "_arrived", "returned_buffer_bytes",
+        "error", "failures", "timeline",
     )
 
     def __init__(
@@ -132,6 +152,7 @@ class BucketRecord:
         step_start: CollectiveEnds | None,
         model: int = 0,
         called: Stamp | None = None,
+        timeline: StepTimeline | None = None,
     ) -> None:
         self.hook = hook
         self.model = model
@@ -168,15 +189,24 @@ class BucketRecord:
         """Cast stages whose figures wait for the collective that reduces them, or for completion."""
         self._proven_by: dict[int, _PendingCast] = {}
         """Launch index -> the pending cast whose approximation that collective reduces."""
+        self._sent_finite: dict[int, bool | torch.Tensor] = {}
+        """Launch index of a watched collective -> whether this rank's contribution to it was finite."""
+        self._elsewhere: list[bool | torch.Tensor] = []
+        """Per watched collective completed: whether its result brought in non-finite elements (figures.made_elsewhere)."""
+        self._arrived: tuple[str, figures.Figure, int] | None = None
+        """(kind, count, stage index) of an input reported by compression_input, for its compression to complete."""
         self.returned_buffer_bytes: int | None = None
         self.error: BaseException | None = None
         """The failure of the hook's future or of one of its collectives."""
         self.failures: list[str] = []
         """Where telemetry failed for this call (the span is then marked incomplete)."""
+        self.timeline = timeline
+        """The iteration this call belongs to, if the step counters count it; its figures are
+        folded in once, when the record is finished (then None)."""
 
     # -- the probe's HookRecorder protocol (training thread and future callbacks) --
 
-    def collective_launching(self, tensor: torch.Tensor) -> int:
+    def collective_launching(self, tensor: torch.Tensor, watch_nonfinite: bool = False) -> int:
         try:
             launch = stamp(self.device)
             token = None
@@ -187,13 +217,20 @@ class BucketRecord:
             self.launches.append(launch)
             self.ends.stamps.append(None)
             self._in_flight.append(token)
+            index = len(self.launches) - 1
             self.wire_bytes += tensor.numel() * tensor.element_size()
             if self._pending_casts:
-                self._match_pending_cast(len(self.launches) - 1, tensor)
-            return len(self.launches) - 1
+                self._match_pending_cast(index, tensor)
         except Exception:
             self.note_failure("collective_launching")
             return -1
+        if watch_nonfinite:
+            try:
+                with torch.no_grad():
+                    self._sent_finite[index] = figures.finite_flag(tensor)
+            except Exception:
+                self.note_failure("nonfinite_watch")
+        return index
 
     def collective_launched(self, token: int, future: torch.futures.Future) -> torch.futures.Future:
         if token < 0:
@@ -202,6 +239,13 @@ class BucketRecord:
             future.add_done_callback(functools.partial(self._collective_done, token))
         except Exception:
             self.note_failure("collective_launched")
+            self.ends.stamps[token] = stamp(self.device)  # never seen done otherwise: a record must not wait for it
+        if token in self._sent_finite:
+            try:  # chained first, as for a cast below: the hook's next step comes after the look
+                return future.then(functools.partial(self._watched_done, token))
+            except Exception:
+                self.note_failure("nonfinite_watch")
+                return future
         if token not in self._proven_by:
             return future
         try:
@@ -229,17 +273,34 @@ class BucketRecord:
     def wants_compression_error(self) -> bool:
         return self.sample_error
 
+    def compression_input(self, kind: str, tensor: torch.Tensor) -> None:
+        try:
+            with torch.no_grad():
+                arrived = figures.nonfinite_in(tensor)
+            self._arrived = (kind, arrived, len(self.stages))
+            # Reported now, in case the compression never completes (a collective fails).
+            self.stages.append(_stage(kind, None, None, arrived, tensor))
+        except Exception:
+            self.note_failure("compression")
+
     def compression(
         self,
         kind: str,
-        original: torch.Tensor,
+        original: torch.Tensor | None,
         approximation: torch.Tensor | None = None,
         *,
         scale: float = 1.0,
         residual: torch.Tensor | None = None,
         recomputable: bool = False,
+        carried: torch.Tensor | None = None,
+        reduced: bool = False,
     ) -> None:
+        if reduced and approximation is not None:
+            self._reduced_compression(kind, original, approximation, residual, carried)
+            return
         try:
+            if original is None:
+                raise ValueError(f"compression {kind!r} reported without its input")
             if approximation is not None and residual is None and (
                 approximation.data_ptr() == original.data_ptr() or (recomputable and approximation.dtype == original.dtype)
             ):
@@ -247,8 +308,7 @@ class BucketRecord:
                 # overwrites with the sum over ranks. Count what it holds now, before that.
                 with torch.no_grad():
                     error, nonfinite, input_nonfinite = figures.same_dtype_figures(original, self.sample_error)
-                ready = stamp(original.device) if original.is_cuda else None
-                self.stages.append(CompressionStage(kind, error, nonfinite, input_nonfinite, ready))
+                self.stages.append(_stage(kind, error, nonfinite, input_nonfinite, original))
                 return
             if recomputable and approximation is not None and residual is None and not original.is_cuda:
                 # Nothing on the launch path: the figures come once the collective has reduced it.
@@ -260,10 +320,55 @@ class BucketRecord:
                 error, nonfinite, input_nonfinite = figures.compression_figures(
                     original, approximation, scale, residual, with_error=self.sample_error
                 )
-            ready = stamp(original.device) if original.is_cuda else None
-            self.stages.append(CompressionStage(kind, error, nonfinite, input_nonfinite, ready))
+            self.stages.append(_stage(kind, error, nonfinite, input_nonfinite, original))
         except Exception:
             self.note_failure("compression")
+
+    def _reduced_compression(
+        self,
+        kind: str,
+        original: torch.Tensor | None,
+        approximation: torch.Tensor,
+        residual: torch.Tensor | None,
+        carried: torch.Tensor | None,
+    ) -> None:
+        """Take the figures of a compression whose result is the group's (see figures.reduced_figures)."""
+        try:
+            arrived, place = None, len(self.stages)
+            if self._arrived is not None and self._arrived[0] == kind:
+                _, arrived, place = self._arrived
+                self._arrived = None
+            with torch.no_grad():
+                error, made, arrived = figures.reduced_figures(
+                    original, approximation, residual=residual, carried=carried, arrived=arrived,
+                    elsewhere=figures.any_of(self._elsewhere), with_error=self.sample_error,
+                )
+            stage = _stage(kind, error, made, arrived, approximation)
+            if place < len(self.stages):
+                self.stages[place] = stage
+            else:
+                self.stages.append(stage)
+        except Exception:
+            self.note_failure("compression")
+
+    def _watched_done(self, index: int, done: torch.futures.Future) -> Any:
+        """Watched collective ``index`` completed: note whether its result brought in non-finite elements.
+
+        The flag of what was sent stays with the record: on CUDA it was made on another stream, and
+        its memory must not be reused before the kernel enqueued here has read it.
+        """
+        sent = self._sent_finite.get(index)
+        try:
+            reduced = done.value()[0]
+        except Exception:  # it failed: nothing was brought in, and the hook's next step raises
+            reduced = None
+        if reduced is not None and sent is not None:
+            try:
+                with torch.no_grad():
+                    self._elsewhere.append(figures.made_elsewhere(sent, figures.finite_flag(reduced)))
+            except Exception:
+                self.note_failure("nonfinite_watch")
+        return done.value()
 
     # -- bookkeeping of the traced wrapper --
 

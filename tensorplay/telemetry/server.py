@@ -1,21 +1,25 @@
 """A small HTTP endpoint that serves one registry on ``/metrics`` and nothing else.
 
-No client can hold one of the training process's threads for good: a request must arrive whole
-within ``REQUEST_TIMEOUT_S`` of the connection (a client that sends nothing, or trickles a byte at
-a time, is closed then), each write of the answer must be taken within as long again, and at most
-``MAX_CONNECTIONS`` connections are served at once (one more is closed at once, unanswered).
+One thread serves every connection, each socket non-blocking: a client that connects and sends
+nothing, trickles its request, or reads the answer slowly holds an open socket, never a thread,
+so it cannot keep a scrape waiting (a thread per connection, at most 16 of them, each held up to
+15 s by a client that sent nothing, is how 16 idle connections used to lock every scraper out).
+No client holds anything for good either: a request must arrive whole within
+``REQUEST_TIMEOUT_S`` of the connection (a client that sends nothing, or trickles a byte at a
+time, is closed then), each write of the answer must be taken within as long again, and at
+most ``MAX_CONNECTIONS`` are open at once: one more closes the oldest, so a flood of connections
+costs the rank a bounded number of sockets and a scraper, which asks at once, is still answered.
 """
 
 from __future__ import annotations
 
-import io
 import logging
+import selectors
 import socket
 import threading
 import time
-from socketserver import ThreadingMixIn
-from typing import Any, Callable, Iterable, Iterator
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import Any, Callable
+from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -24,87 +28,21 @@ __all__ = ["MetricsServer", "ScrapeLog", "REQUEST_TIMEOUT_S", "MAX_CONNECTIONS"]
 _logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 15.0
-"""How long a connection may take to send its whole request, and then to take the answer.
+"""How long a connection may take to send its whole request, and then at most between two writes of the answer.
 
 Prometheus sends its request at once and reads the answer within its scrape timeout (10 s by
 default), so only a client that connects and stalls, or trickles, ever meets this limit.
 """
 
-MAX_CONNECTIONS = 16
-"""Connections served at once (a thread each): scrapers, an HA pair, a person's curl, with room."""
+MAX_CONNECTIONS = 64
+"""Connections open at once (a socket each, no thread): scrapers, an HA pair, a person's curl, with
+room; one more closes the oldest."""
 
 _MAX_REQUEST_BYTES = 65536
 """A scrape's request line and headers are a few hundred bytes; more is no scrape."""
 
-
-class _QuietHandler(WSGIRequestHandler):
-    """Keep scrapes out of the training job's stderr, and give every request one deadline."""
-
-    def setup(self) -> None:
-        super().setup()
-        self._deadline = time.monotonic() + self.server.request_timeout_s  # type: ignore[attr-defined]
-        stream, self.rfile = self.rfile, io.BytesIO(self._read_request_head())
-        stream.close()  # the socket stays open: the server closes it once the answer is sent
-
-    def _read_request_head(self) -> bytes:
-        """Read up to the end of the headers before the deadline (a GET has no body); else b"".
-
-        The socket's own timeout applies to each read, so a client sending a byte a second would
-        never meet it: the time left to the deadline is set before every read instead.
-        """
-        head = b""
-        while b"\r\n\r\n" not in head and len(head) < _MAX_REQUEST_BYTES:
-            left = self._deadline - time.monotonic()
-            if left <= 0:
-                return b""
-            self.connection.settimeout(left)
-            try:
-                piece = self.connection.recv(4096)
-            except OSError:  # timed out, or reset
-                return b""
-            if not piece:
-                break
-            head += piece
-        return head
-
-    def handle(self) -> None:
-        """Answer the request read in :meth:`setup`; each write of the answer gets the timeout in full."""
-        self.connection.settimeout(self.server.request_timeout_s)  # type: ignore[attr-defined]
-        super().handle()
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
-        pass
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    request_timeout_s = REQUEST_TIMEOUT_S
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """Serve the connection on a thread of its own if a slot is free; else close it at once."""
-        if not self._slots.acquire(blocking=False):
-            _logger.debug("tensorplay: %d metrics connections open; closed one from %s", MAX_CONNECTIONS, client_address)
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that timed out or went away is no news for the training job's stderr."""
-        _logger.debug("tensorplay: a metrics request from %s ended early", client_address, exc_info=True)
-
-
-class _IPv6ThreadingServer(_ThreadingServer):
-    address_family = socket.AF_INET6
+_POLL_S = 0.5
+"""The longest the serving thread sleeps between two looks at its deadlines and at :meth:`MetricsServer.close`."""
 
 
 class _Scraper:
@@ -215,89 +153,207 @@ class ScrapeLog:
             return self._changed.wait_for(lambda: all(s.latest_completed > n for s, n in after), timeout_s)
 
 
-def _only_metrics(app: Callable, scrapes: ScrapeLog) -> Callable:
-    def serve(environ: dict, start_response: Callable) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") != "/metrics":
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"tensorplay serves /metrics only\n"]
-        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
-            return [b""]
+class _Connection:
+    """One client: the request head read so far, then the answer left to send."""
+
+    __slots__ = ("sock", "address", "deadline", "head", "answer", "on_sent")
+
+    def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
+        self.sock = sock
+        self.address = address
+        self.deadline = deadline
+        self.head = b""
+        self.answer: memoryview | None = None
+        self.on_sent: Callable[[], None] | None = None
+
+
+def _request(head: bytes, address: Any) -> dict[str, Any] | None:
+    """The WSGI environ of a request head (a GET has no body), or None if it is no HTTP request."""
+    request_line, *header_lines = head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    parts = request_line.split()
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        return None
+    method, target, protocol = parts
+    path, _, query = target.partition("?")
+    environ = {"REQUEST_METHOD": method, "PATH_INFO": unquote(path, "latin-1"), "QUERY_STRING": query,
+               "SERVER_PROTOCOL": protocol, "REMOTE_ADDR": str(address[0]) if address else ""}
+    for line in header_lines:
+        name, colon, value = line.partition(":")
+        if not colon:
+            return None
+        environ["HTTP_" + name.strip().upper().replace("-", "_")] = value.strip()
+    return environ
+
+
+def _answer(status: str, headers: list[tuple[str, str]], body: bytes) -> memoryview:
+    """An HTTP response that closes the connection once sent."""
+    lines = [f"HTTP/1.1 {status}", *(f"{name}: {value}" for name, value in headers),
+             f"Content-Length: {len(body)}", "Connection: close", "", ""]
+    return memoryview("\r\n".join(lines).encode("latin-1") + body)
+
+
+class _Exposition:
+    """What ``/metrics`` answers, and the notes on Prometheus' scrapes that :class:`ScrapeLog` keeps."""
+
+    def __init__(self, registry: CollectorRegistry, scrapes: ScrapeLog) -> None:
+        self._app = make_wsgi_app(registry)  # text or OpenMetrics, gzip, name[] as prometheus_client serves them
+        self._scrapes = scrapes
+
+    def answer(self, environ: dict[str, Any] | None) -> tuple[memoryview, Callable[[], None] | None]:
+        """The response to ``environ``, and what to call once all of it is sent (a Prometheus scrape completed)."""
+        if environ is None:
+            return _answer("400 Bad Request", [("Content-Type", "text/plain")], b"not an HTTP request\n"), None
+        if environ["PATH_INFO"] != "/metrics":
+            return _answer("404 Not Found", [("Content-Type", "text/plain")], b"tensorplay serves /metrics only\n"), None
+        if environ["REQUEST_METHOD"] not in ("GET", "HEAD"):
+            return _answer("405 Method Not Allowed", [("Allow", "GET, HEAD")], b""), None
         timeout = environ.get("HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS")
-        if timeout is None:
-            return app(environ, start_response)
-        scrape = scrapes.started((environ.get("REMOTE_ADDR", ""), environ.get("HTTP_USER_AGENT", ""), timeout))
-        body = app(environ, start_response)  # the exposition is rendered here, in full
-        return _CompletedOnceSent(body, lambda: scrapes.completed(scrape))
-
-    return serve
-
-
-class _CompletedOnceSent:
-    """A response body that reports, once the server has written all of it, that the scrape completed.
-
-    The WSGI server iterates the body, writing each piece to the socket, then calls ``close()``;
-    a body iterated to its end had every piece written. A client that went away mid-body leaves
-    the scrape uncompleted.
-    """
-
-    def __init__(self, body: Iterable[bytes], on_sent: Callable[[], None]) -> None:
-        self._body = body
-        self._on_sent = on_sent
-        self._sent = False
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self._body
-        self._sent = True
-
-    def __len__(self) -> int:  # one piece: the server then sends a Content-Length
-        return len(self._body)  # type: ignore[arg-type]
-
-    def close(self) -> None:
+        scrape = None if timeout is None else self._scrapes.started(
+            (environ["REMOTE_ADDR"], environ.get("HTTP_USER_AGENT", ""), timeout))
+        started: list[Any] = []
         try:
-            close = getattr(self._body, "close", None)
-            if close is not None:
-                close()
-        finally:
-            if self._sent:
-                self._on_sent()
+            body = b"".join(self._app(environ, lambda status, headers, exc_info=None: started.extend((status, headers))))
+        except Exception:  # a collector that raised: this scrape fails, the endpoint goes on
+            _logger.warning("tensorplay: /metrics could not be rendered", exc_info=True)
+            return _answer("500 Internal Server Error", [("Content-Type", "text/plain")], b"see the rank's log\n"), None
+        status, headers = started
+        on_sent = None if scrape is None else (lambda: self._scrapes.completed(scrape))
+        return _answer(status, headers, body), on_sent
 
 
 class MetricsServer:
-    """Serve ``registry`` on ``http://addr:port/metrics`` from a daemon thread.
+    """Serve ``registry`` on ``http://addr:port/metrics`` from one daemon thread.
 
-    Raises OSError when the address cannot be bound (the caller decides how to carry on).
+    The exposition is rendered on that thread, one request at a time, as Prometheus scrapes a
+    target (a scrape takes milliseconds; a client that is slow to ask or to read waits in its own
+    socket meanwhile). Raises OSError when the address cannot be bound (the caller decides how to
+    carry on).
     """
 
     def __init__(
         self, registry: CollectorRegistry, addr: str, port: int, request_timeout_s: float = REQUEST_TIMEOUT_S
     ) -> None:
-        server_class = _IPv6ThreadingServer if ":" in addr else _ThreadingServer
         self.scrapes = ScrapeLog()
-        self._httpd = make_server(
-            addr, port, _only_metrics(make_wsgi_app(registry), self.scrapes), server_class, handler_class=_QuietHandler
-        )
-        self._httpd.request_timeout_s = request_timeout_s  # type: ignore[attr-defined]
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="tensorplay-metrics", daemon=True
-        )
+        self._exposition = _Exposition(registry, self.scrapes)
+        self._timeout_s = request_timeout_s
+        self._listener = _listening_socket(addr, port)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._open: dict[socket.socket, _Connection] = {}  # in the order they connected: the oldest first
+        self._closing = False
+        self._thread = threading.Thread(target=self._serve, name="tensorplay-metrics", daemon=True)
         self._thread.start()
 
     @property
     def address(self) -> tuple[str, int]:
         """The (host, port) actually bound."""
-        host, port = self._httpd.server_address[:2]
+        host, port = self._listener.getsockname()[:2]
         return host, port
 
     def close(self) -> None:
-        """Stop serving and release the port."""
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        """Stop serving and release the port (at once if the serving thread is stuck in a collector)."""
+        self._closing = True
         self._thread.join(timeout=5)
+        self._listener.close()
 
     def abandon(self) -> None:
-        """In a forked child, whose copy of the serving thread does not exist: just release the socket."""
+        """In a forked child, whose copy of the serving thread does not exist: just release the sockets.
+
+        Closed, never shut down: the parent's connections share them and go on.
+        """
+        for sock in [self._listener, *self._open]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self._selector.close()
+
+    def _serve(self) -> None:
         try:
-            self._httpd.socket.close()
+            while not self._closing:
+                now = time.monotonic()
+                wake_s = min([_POLL_S, *(c.deadline - now for c in self._open.values())])
+                for key, _ in self._selector.select(max(wake_s, 0.0)):
+                    connection = key.data
+                    if connection is None:
+                        self._accept()
+                    elif connection.sock in self._open:  # not closed earlier in this turn (the oldest, making room)
+                        (self._read if connection.answer is None else self._write)(connection)
+                now = time.monotonic()
+                for late in [c for c in self._open.values() if c.deadline <= now]:
+                    self._drop(late)
+        finally:
+            for connection in list(self._open.values()):
+                self._drop(connection)
+            self._selector.close()
+
+    def _accept(self) -> None:
+        try:
+            sock, address = self._listener.accept()
+        except OSError:  # gone before it was taken, or the listener closed
+            return
+        if len(self._open) >= MAX_CONNECTIONS:  # the oldest has had the longest to ask: it makes room
+            oldest = next(iter(self._open.values()))
+            _logger.debug("tensorplay: %d metrics connections open; closed the oldest, from %s",
+                          MAX_CONNECTIONS, oldest.address)
+            self._drop(oldest)
+        sock.setblocking(False)
+        connection = _Connection(sock, address, time.monotonic() + self._timeout_s)
+        self._open[sock] = connection
+        self._selector.register(sock, selectors.EVENT_READ, connection)
+
+    def _read(self, connection: _Connection) -> None:
+        try:
+            piece = connection.sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:  # reset
+            piece = b""
+        connection.head += piece
+        if b"\r\n\r\n" in connection.head:
+            connection.answer, connection.on_sent = self._exposition.answer(_request(connection.head, connection.address))
+            connection.deadline = time.monotonic() + self._timeout_s
+            self._selector.modify(connection.sock, selectors.EVENT_WRITE, connection)
+            self._write(connection)  # an answer that fits in the socket's buffer goes at once
+        elif not piece or len(connection.head) >= _MAX_REQUEST_BYTES:  # gone before asking, or no scrape
+            self._drop(connection)
+
+    def _write(self, connection: _Connection) -> None:
+        answer = connection.answer or memoryview(b"")
+        try:
+            sent = connection.sock.send(answer)
+        except BlockingIOError:
+            return
+        except OSError:  # the client went away: its scrape is not complete
+            self._drop(connection)
+            return
+        connection.answer = answer[sent:]
+        connection.deadline = time.monotonic() + self._timeout_s
+        if not connection.answer:
+            self._drop(connection)
+            if connection.on_sent is not None:
+                connection.on_sent()
+
+    def _drop(self, connection: _Connection) -> None:
+        """Close a connection: what was sent goes first (FIN after the data), then the socket."""
+        del self._open[connection.sock]
+        self._selector.unregister(connection.sock)
+        try:
+            connection.sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+        connection.sock.close()
+
+
+def _listening_socket(addr: str, port: int) -> socket.socket:
+    """A non-blocking socket listening on ``addr:port`` (an IPv6 address if it has a colon), reusable at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server: a restarted rank binds again
+        sock.bind((addr, port))
+        sock.listen(MAX_CONNECTIONS)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

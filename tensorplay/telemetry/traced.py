@@ -29,6 +29,7 @@ from .model_identity import CallPlace, ModelsOfHook
 from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord
 from .settings import steps_from_environment
+from .step_timeline import StepTimeline
 from .timing import stamp
 from .tracing import may_record
 from .tracing import tracer as default_tracer
@@ -65,8 +66,9 @@ def traced(
         error_every: sample the compression error every this many steps; 1 takes it on
             every step (full fidelity), 0 never. Default: ``TENSORPLAY_ERROR_EVERY`` (a whole
             number; unset or empty means the default), else 25.
-        metrics: where to record metrics (tests pass ``TensorplayMetrics(CollectorRegistry())``).
-            Default: the process's metrics once :func:`~tensorplay.telemetry.enable_metrics` ran.
+        metrics: where to record metrics, a :class:`~tensorplay.telemetry.TensorplayMetrics` (tests
+            pass ``TensorplayMetrics(CollectorRegistry())``); anything else is refused with a
+            ``TypeError``. Default: the process's metrics once :func:`~tensorplay.telemetry.enable_metrics` ran.
         tracer_provider: default: OpenTelemetry's global provider.
 
     The traced hook pickles (``torch.multiprocessing.spawn``, Lightning's ``start_method="spawn"``)
@@ -101,6 +103,10 @@ def traced(
         raise TypeError(f"traced: error_every must be a whole number of steps, got {error_every!r}") from None
     if error_every < 0:
         raise ValueError(f"traced: error_every must be >= 0 (0 turns the error off), got {error_every}")
+    if metrics is not None and not isinstance(metrics, TensorplayMetrics):
+        # Refused here, once: accepted, it would fail at every bucket, warn and record nothing.
+        raise TypeError(f"traced: metrics must be a TensorplayMetrics (TensorplayMetrics(registry) for a registry of "
+                        f"your own), or None for the process's metrics; got {type(metrics).__name__}")
     return _TracedHook(hook, probe.hook_name(hook), error_every, metrics, tracer_provider)
 
 
@@ -170,7 +176,7 @@ class _TracedHook:
         try:
             future = self._hook(state, bucket)
         except BaseException as error:
-            finisher().abandoned(record.span, error=error)
+            finisher().raised(record, error)  # collectives it launched stay in flight until done
             raise
         finally:
             probe.uninstall_recorder(token)
@@ -207,6 +213,11 @@ class _TracedHook:
             if place.first_of_step or model.rank_and_world is None:
                 model.rank_and_world = (dist.get_rank(), _world_size(state))
             rank, world_size = model.rank_and_world
+            if place.first_of_step:  # the iterations the step counters count: one after another, not shadowed
+                model.timeline = StepTimeline(place.step, previous) if previous is not None and not shadowing else None
+            timeline = model.timeline
+            if timeline is not None and timeline.step != place.step:
+                timeline = None  # left from an earlier step whose first bucket was not recorded
             record = BucketRecord(
                 hook=self._name,
                 reports_collectives=self._reports_collectives,
@@ -222,7 +233,10 @@ class _TracedHook:
                 step_start=previous if place.last_of_step and not shadowing else None,
                 model=model.index,
                 called=called,
+                timeline=timeline,
             )
+            if timeline is not None:
+                timeline.note_call(called, place.last_of_step)
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
             if tracer is not None and may_record(tracer):  # the call still gets its span, marked incomplete

@@ -55,15 +55,16 @@ def check_hook(hook: Any, wrapper_name: str) -> None:
 
 
 def allreduce_future(
-    tensor: torch.Tensor, group: dist.ProcessGroup, recorder: HookRecorder | None
+    tensor: torch.Tensor, group: dist.ProcessGroup, recorder: HookRecorder | None, watch_nonfinite: bool = False
 ) -> torch.futures.Future[list[torch.Tensor]]:
     """Launch an async sum-allreduce of ``tensor`` in place and report it to ``recorder``.
 
     With a recorder, the future returned is the one the recorder hands back: chain on it.
+    ``watch_nonfinite``: see :meth:`HookRecorder.collective_launching`.
     """
     if recorder is None:
         return dist.all_reduce(tensor, group=group, async_op=True).get_future()
-    token = recorder.collective_launching(tensor)
+    token = recorder.collective_launching(tensor, watch_nonfinite=watch_nonfinite)
     try:
         future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
     except BaseException as error:

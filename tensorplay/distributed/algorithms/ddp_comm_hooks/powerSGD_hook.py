@@ -16,7 +16,12 @@ so swapping the import changes no gradient bit. Two things differ on purpose:
 
 Each compressed bucket is reported once to the telemetry probe, as kind ``powersgd``: this rank's
 contribution, what compression made of it and, with error feedback, the residual the hook keeps
-anyway. Nothing is computed for telemetry when nobody traces the call.
+anyway and the one it added to the bucket. The result is the group's, so the collectives of this
+rank's own factors and uncompressed tensors are watched (was what this rank sent finite, is the
+reduced result?): a non-finite element another rank brought in is not this rank's compression's.
+Without error feedback, on a step that does not sample the error, the hook keeps no copy of its
+input: it reports the input right before decompression overwrites it. Nothing is computed for
+telemetry when nobody traces the call.
 """
 
 import functools
@@ -34,7 +39,7 @@ from torch.distributed import distributed_c10d
 
 from tensorplay.telemetry.probe import HookRecorder, current_recorder, describe_hook
 
-from ._common import allreduce_future, check_floating_bucket, first_value
+from ._common import allreduce_future, check_floating_bucket
 from .default_hooks import _allreduce_fut
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"]
@@ -324,12 +329,13 @@ def _finish(
     """
     if approximation.is_cuda:
         torch.cuda.synchronize(approximation.device)
-    residual = None
+    residual = carried = None
     if errors is not None:
+        carried = errors.get(bucket_index)  # the error this call added to the bucket
         residual = original - approximation
         errors[bucket_index] = residual
-    if recorder is not None and original is not None:
-        recorder.compression(_KIND, original, approximation, residual=residual)
+    if recorder is not None:
+        recorder.compression(_KIND, original, approximation, residual=residual, carried=carried, reduced=True)
 
 
 def _then(future: Optional[torch.futures.Future], step: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
@@ -548,8 +554,6 @@ def _compress_layers(
     bucket_index = bucket.index()
     original = _incorporate_error(state, bucket_index, tensor, recorder)
     errors = state.error_dict if state.use_error_feedback else None
-    if recorder is not None and original is None:
-        recorder.compression(_KIND, tensor)  # no copy to compare with: the kind only
 
     to_compress, uncompressed = _split_layers(state, bucket.gradients())
     _report_compression_stats(bucket, state)
@@ -564,18 +568,20 @@ def _compress_layers(
         torch.bmm(batch, q, out=p)
 
     first_round = []
+    memory = None
     if uncompressed:
+        # Averaged and copied back when decompressing: until then the bucket holds this rank's input.
         memory = torch.cat([t.view(-1) for t in uncompressed])
-        first_round.append(
-            allreduce_future(memory, group, recorder).then(
-                lambda fut: _unpack_average(first_value(fut), world_size, uncompressed)
-            )
-        )
+        first_round.append(allreduce_future(memory, group, recorder, watch_nonfinite=True))
     if plan.ps:
         # Ps are orthogonalized next: no need to average them.
-        first_round.append(allreduce_future(p_memory, group, recorder))
+        first_round.append(allreduce_future(p_memory, group, recorder, watch_nonfinite=True))
 
     def decompress() -> torch.Tensor:
+        if recorder is not None and original is None:
+            recorder.compression_input(_KIND, tensor)  # no copy of it: its last moment
+        if memory is not None:
+            _unpack_average(memory, world_size, uncompressed)
         q_memory.div_(world_size)
         for p, q, batch in zip(plan.ps, plan.qs, plan.batches):
             torch.bmm(p, q.transpose(1, 2), out=batch)
@@ -590,7 +596,7 @@ def _compress_layers(
             _orthogonalize(p, state.orthogonalization_epsilon)
         for batch, p, q in zip(plan.batches, plan.ps, plan.qs):
             torch.bmm(batch.transpose(1, 2), p, out=q)
-        return _then(allreduce_future(q_memory, group, recorder) if plan.qs else None, decompress)
+        return _then(allreduce_future(q_memory, group, recorder, watch_nonfinite=True) if plan.qs else None, decompress)
 
     return _schedule(state, bucket, first_round, second_round, tensor.device)
 
@@ -673,16 +679,16 @@ def _compress_square(
     _report_compression_stats(bucket, state)
     original = _incorporate_error(state, bucket_index, square, recorder)
     errors = state.error_dict if state.use_error_feedback else None
-    if recorder is not None and original is None:
-        recorder.compression(_KIND, square)  # no copy to compare with: the kind only
 
     matrix = square.view(side, side)
     p, q, _ = _square_low_rank_memory(state, bucket_index, square, side, rank)
     _orthogonalize(q.unsqueeze(0), state.orthogonalization_epsilon)
     torch.matmul(matrix, q, out=p)
-    first_round = [allreduce_future(p, group, recorder)]
+    first_round = [allreduce_future(p, group, recorder, watch_nonfinite=True)]
 
     def decompress() -> torch.Tensor:
+        if recorder is not None and original is None:
+            recorder.compression_input(_KIND, square)  # no copy of it: its last moment
         q.div_(world_size)
         torch.matmul(p, q.t(), out=matrix)
         _finish(errors, bucket_index, square, original, recorder)
@@ -693,7 +699,7 @@ def _compress_square(
     def second_round() -> torch.futures.Future[torch.Tensor]:
         _orthogonalize(p.unsqueeze(0), state.orthogonalization_epsilon)
         torch.matmul(matrix.t(), p, out=q)
-        return _then(allreduce_future(q, group, recorder), decompress)
+        return _then(allreduce_future(q, group, recorder, watch_nonfinite=True), decompress)
 
     return _schedule(state, bucket, first_round, second_round, tensor.device)
 
