@@ -2,12 +2,13 @@
 
 Every scenario runs in one spawn of two ranks (the ``outcomes`` fixture), one after the other, each
 with a traced hook reporting to a sink of its own (tests/sink.py: its metrics and an in-memory
-span exporter). The replicas are fingerprinted every 2 optimizer steps (``TENSORPLAY_FINGERPRINT_EVERY``);
-each counted optimizer step is a ``tensorplay.optimizer_step`` span, so a scenario's outcome is
-its counters as served, and per step what it reduced and its fingerprint. A scenario's models
-are freed before the next one, so no fingerprint covers another scenario's model. Steps are
-numbered per process: each scenario numbers an even count of them, and the tests read the
-numbers from the scenario's first step on.
+span exporter). The replicas are fingerprinted every 2 optimizer steps (``TENSORPLAY_FINGERPRINT_EVERY``).
+A scenario's outcome is its counters as served, and what its spans carry (docs/telemetry.md,
+"Replicas"): the optimizer step count on the last hook span of each reduced iteration, with a
+fingerprint taken since that model's previous one, and the span of each unreduced step. A
+scenario's models are freed before the next one, so no fingerprint covers another scenario's
+model. Fingerprint steps are numbered per process: each scenario numbers an even count of them,
+and the tests read them from the number before the scenario's first step (its ``base``).
 """
 
 
@@ -27,7 +28,8 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noo
 from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from tensorplay.distributed.algorithms.join import Join
 from tensorplay.telemetry import flush
-from tensorplay.telemetry.names import OPTIMIZER_STEP_SPAN_NAME, Attr, Metric
+from tensorplay.telemetry import replica_sync
+from tensorplay.telemetry.names import HOOK_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr, Metric
 
 from .ranks import run_ranks
 from .sink import MemorySink, memory_sink
@@ -62,16 +64,25 @@ def _plain_training(rank: int, hook: Callable, optimizer: Callable[[nn.Module], 
 
 
 def _outcome(sink: MemorySink, rank: int) -> dict[str, Any]:
-    """What the scenario's sink holds: the counters and fingerprint pair as served, and every step's span."""
+    """What the scenario's sink holds: the counters and fingerprint pair as served, and what the spans carry.
+
+    ``iterations``: per model, in the order they were first reduced (``tensorplay.optimizer.model``), the
+    attributes of each hook span that carries an optimizer step count, by iteration; ``unreduced``: the
+    attributes of each unreduced step's span.
+    """
     assert flush(30)
     labels = {"rank": str(rank)}
     served = {name: sink.sample(f"{name}_total", **labels)
               for name in (Metric.OPTIMIZER_STEPS, Metric.GRADIENT_REDUCTIONS, Metric.UNREDUCED_OPTIMIZER_STEPS)}
     served["pair"] = (sink.sample(Metric.REPLICA_FINGERPRINT_STEP, **labels), sink.sample(Metric.REPLICA_FINGERPRINT, **labels))
     served["failures"] = sink.sample(f"{Metric.TELEMETRY_ERRORS}_total", reason="replica_sync", **labels)
-    steps = [{key.removeprefix("tensorplay."): value for key, value in span.items()}
-             for span in sink.spans(OPTIMIZER_STEP_SPAN_NAME)]
-    return {"served": served, "steps": steps}
+    by_model: dict[int, list[dict]] = {}
+    for span in sorted(sink.spans(), key=lambda span: span[Attr.STEP]):
+        if Attr.OPTIMIZER_STEPS in span:
+            by_model.setdefault(span[Attr.OPTIMIZER_MODEL], []).append(span)
+    iterations = [by_model[number] for number in sorted(by_model)]
+    return {"served": served, "iterations": iterations, "unreduced": sink.spans(OPTIMIZER_STEP_SPAN_NAME),
+            "names": {span.name for span in sink.finished()}}
 
 
 def _settled() -> None:
@@ -298,7 +309,8 @@ def _every_scenario(rank: int, world_size: int) -> dict[str, dict]:
     os.environ["TENSORPLAY_FINGERPRINT_EVERY"] = str(EVERY)  # read when the first hook is traced
     outcomes = {}
     for name, scenario in SCENARIOS.items():
-        outcomes[name] = scenario(rank)
+        base = replica_sync._watch.numbering  # the fingerprints' step number before the scenario's first step
+        outcomes[name] = dict(scenario(rank), base=base)
         _settled()
     return outcomes
 
@@ -318,36 +330,37 @@ def _counters(outcome: dict) -> tuple[float, float, float]:
     return (served[Metric.OPTIMIZER_STEPS], served[Metric.GRADIENT_REDUCTIONS], served[Metric.UNREDUCED_OPTIMIZER_STEPS])
 
 
-def _reductions_per_step(outcome: dict) -> list[int]:
-    return [step["optimizer.reductions"] for step in outcome["steps"]]
+def _counts(outcome: dict, model: int = 0) -> list[int]:
+    """The model's optimizer steps before each of its reduced iterations, as its last hook spans say."""
+    return [span[Attr.OPTIMIZER_STEPS] for span in outcome["iterations"][model]]
 
 
-def _base(outcome: dict) -> int:
-    """The step number before the scenario's first: numbers run on across a process's scenarios."""
-    return outcome["steps"][0]["optimizer.step"] - 1
+def _carried(outcome: dict) -> dict[int, int]:
+    """``{fingerprint step (from the scenario's first step): fingerprint}`` of those the spans carried, checked:
+    an integer below 2^53, each carried once per model, the same on every span that carries it."""
+    carried: dict[int, int] = {}
+    spans = [span for spans in outcome["iterations"] for span in spans] + outcome["unreduced"]
+    for span in spans:
+        if Attr.REPLICA_FINGERPRINT in span:
+            step, value = span[Attr.REPLICA_FINGERPRINT_STEP] - outcome["base"], span[Attr.REPLICA_FINGERPRINT]
+            assert 0 <= value < 2**53 and carried.setdefault(step, value) == value, spans
+    for model_spans in outcome["iterations"]:
+        steps = [span[Attr.REPLICA_FINGERPRINT_STEP] for span in model_spans if Attr.REPLICA_FINGERPRINT in span]
+        assert len(steps) == len(set(steps)), model_spans
+    return carried
 
 
-def _numbers(outcome: dict) -> list[int]:
-    """The scenario's step numbers, from 1 at its first step."""
-    return [step["optimizer.step"] - _base(outcome) for step in outcome["steps"]]
-
-
-def _fingerprints(outcome: dict) -> dict[int, int]:
-    """``{step number (from the scenario's first): fingerprint}`` of the steps fingerprinted, checked:
-    every step whose number is a multiple of 2, an integer below 2^53, the latest one served."""
-    steps = outcome["steps"]
-    fingerprints = {step["optimizer.step"]: step["replica.fingerprint"] for step in steps if "replica.fingerprint" in step}
-    assert sorted(fingerprints) == [s["optimizer.step"] for s in steps if s["optimizer.step"] % EVERY == 0], steps
-    assert fingerprints and all(0 <= value < 2**53 for value in fingerprints.values())
-    last = max(fingerprints)
-    assert outcome["served"]["pair"] == (last, fingerprints[last])  # the gauges: the latest, exactly
-    return {number - _base(outcome): value for number, value in fingerprints.items()}
+def _served(outcome: dict) -> tuple[int, int] | None:
+    """The fingerprint gauges' pair, its step from the scenario's first step; None if none was served."""
+    step, value = outcome["served"]["pair"]
+    return None if step is None else (int(step) - outcome["base"], int(value))
 
 
 def _agreement(outcomes: list[dict]) -> dict[int, bool]:
-    """``{step number both ranks fingerprinted: whether their fingerprints are equal}``."""
-    assert len({_base(outcome) for outcome in outcomes}) == 1  # the ranks' numbers agree before the scenario
-    first, second = (_fingerprints(outcome) for outcome in outcomes)
+    """``{fingerprint step both ranks' spans carried: whether their fingerprints are equal}``; the ranks'
+    last fingerprints, served by the gauges, are compared too."""
+    assert len({outcome["base"] for outcome in outcomes}) == 1  # the ranks' numbers agree before the scenario
+    first, second = ({**_carried(outcome), **dict([_served(outcome)])} for outcome in outcomes)
     common = sorted(set(first) & set(second))
     assert common, (first, second)
     return {step: first[step] == second[step] for step in common}
@@ -359,26 +372,36 @@ def _agreement(outcomes: list[dict]) -> dict[int, bool]:
 def test_accumulation_done_right_reduces_once_per_step_and_the_replicas_stay_equal(outcomes) -> None:
     for rank, outcome in enumerate(outcomes["accumulation_done_right"]):
         assert _counters(outcome) == (STEPS, STEPS, 0), rank
-        assert _reductions_per_step(outcome) == [1] * STEPS
-        assert [step["optimizer.unreduced"] for step in outcome["steps"]] == [False] * STEPS
-        assert {step["rank"] for step in outcome["steps"]} == {rank}
-    assert all(_agreement(outcomes["accumulation_done_right"]).values())
+        assert _counts(outcome) == list(range(STEPS))  # one reduced iteration before each step
+        assert outcome["names"] == {HOOK_SPAN_NAME}  # one span per hook call, nothing else
+        assert {(span[Attr.RANK], span[Attr.MODEL]) for span in outcome["iterations"][0]} == {(rank, 0)}
+        # Taken after steps 2 and 4: step 2's carried by the next iteration, step 4's served.
+        assert sorted(_carried(outcome)) == [2] and _served(outcome)[0] == STEPS
+    assert _agreement(outcomes["accumulation_done_right"]) == {2: True, 4: True}
 
 
 def test_no_sync_around_the_backward_only_reduces_every_micro_batch(outcomes) -> None:
     for outcome in outcomes["no_sync_around_the_backward_only"]:
         assert _counters(outcome) == (STEPS, STEPS * MICRO_BATCHES, 0)
-        assert _reductions_per_step(outcome) == [MICRO_BATCHES] * STEPS
+        assert _counts(outcome) == [step for step in range(STEPS) for _ in range(MICRO_BATCHES)]
+        assert outcome["names"] == {HOOK_SPAN_NAME}
     assert all(_agreement(outcomes["no_sync_around_the_backward_only"]).values())  # wasteful, not wrong
 
 
-def test_a_no_sync_that_never_ends_leaves_steps_unreduced_and_the_replicas_apart(outcomes) -> None:
-    for outcome in outcomes["no_sync_that_never_ends"]:
+def test_a_no_sync_that_never_ends_leaves_steps_unreduced_with_spans_of_their_own(outcomes) -> None:
+    for rank, outcome in enumerate(outcomes["no_sync_that_never_ends"]):
         assert _counters(outcome) == (STEPS, 1, STEPS - 1)
-        assert _reductions_per_step(outcome) == [1] + [0] * (STEPS - 1)
-        assert [step["optimizer.unreduced"] for step in outcome["steps"]] == [False] + [True] * (STEPS - 1)
+        assert _counts(outcome) == [0]  # no hook call after the first iteration
+        unreduced = outcome["unreduced"]
+        assert [span[Attr.OPTIMIZER_STEPS] for span in unreduced] == list(range(2, STEPS + 1))
+        # The rank's unreduced steps so far (earlier scenarios had none), each span naming its model.
+        assert [span[Attr.OPTIMIZER_UNREDUCED] for span in unreduced] == list(range(1, STEPS))
+        assert {(span[Attr.RANK], span[Attr.HOOK], span[Attr.MODEL]) for span in unreduced} == {(rank, "allreduce_hook", 0)}
+        assert {span[Attr.OPTIMIZER_MODEL] for span in unreduced} == {outcome["iterations"][0][0][Attr.OPTIMIZER_MODEL]}
+        # Each carries the latest fingerprint, taken before its span was made: step 2's at 2 and 3, step 4's at 4.
+        assert [span[Attr.REPLICA_FINGERPRINT_STEP] - outcome["base"] for span in unreduced] == [2, 2, 4]
     agreement = _agreement(outcomes["no_sync_that_never_ends"])
-    assert not any(agreement.values()), agreement  # from the first fingerprint after step 1, every one
+    assert agreement == {2: False, 4: False}, agreement  # from the first fingerprint after step 1, every one
 
 
 def test_a_hook_that_reduces_differently_on_one_rank_sets_the_replicas_apart(outcomes) -> None:
@@ -388,23 +411,28 @@ def test_a_hook_that_reduces_differently_on_one_rank_sets_the_replicas_apart(out
     assert not any(agreement.values()), agreement
 
 
-def test_noop_hook_reduces_nothing(outcomes) -> None:
+def test_a_model_only_noop_hook_serves_is_not_traced(outcomes) -> None:
+    # A model is traced from the first call of a traced hook that reduces one of its buckets: noop_hook never does.
     for outcome in outcomes["noop_hook_reduces_nothing"]:
-        assert _counters(outcome) == (STEPS, 0, STEPS)
-    assert not any(_agreement(outcomes["noop_hook_reduces_nothing"]).values())
+        assert _counters(outcome) == (None, None, None)
+        assert _served(outcome) is None and outcome["iterations"] == [] and outcome["names"] == {HOOK_SPAN_NAME}
 
 
 def test_one_optimizer_over_two_models_counts_a_step_and_both_reductions(outcomes) -> None:
     for outcome in outcomes["actor_and_critic_under_one_optimizer"]:
         assert _counters(outcome) == (STEPS, 2 * STEPS, 0)
-        assert _reductions_per_step(outcome) == [2] * STEPS
+        # Each model its own count, though both hooks' spans say tensorplay.model 0 (one traced hook each).
+        assert _counts(outcome, model=0) == _counts(outcome, model=1) == list(range(STEPS))
     assert all(_agreement(outcomes["actor_and_critic_under_one_optimizer"]).values())
 
 
 def test_a_gan_counts_each_optimizers_steps_and_the_generators_backward_through_the_discriminator(outcomes) -> None:
     for outcome in outcomes["gan_with_two_optimizers"]:
         assert _counters(outcome) == (2 * STEPS, 3 * STEPS, 0)
-        assert _reductions_per_step(outcome) == [1, 2] * STEPS  # G's step, then D's (reduced in both backwards)
+        # The discriminator, first reduced (the generator's backward runs through it first): reduced in
+        # both backwards before each D step (G's optimizer does not update D); the generator: once per G step.
+        assert _counts(outcome, model=0) == [step for step in range(STEPS) for _ in range(2)]
+        assert _counts(outcome, model=1) == list(range(STEPS))
     assert all(_agreement(outcomes["gan_with_two_optimizers"]).values())
 
 
@@ -417,16 +445,17 @@ def test_zero_redundancy_optimizer_counts_one_step_after_its_broadcast(outcomes)
 def test_a_step_the_grad_scaler_skips_is_not_counted(outcomes) -> None:
     for outcome in outcomes["grad_scaler_skips_a_step"]:
         assert _counters(outcome) == (STEPS, STEPS + 1, 0)
-        assert _reductions_per_step(outcome) == [1, 2] + [1] * (STEPS - 2)  # step 1's reduction went to step 2
+        assert _counts(outcome) == [0, 1, 1, 2, 3]  # step 1's reduction went to step 2
     assert all(_agreement(outcomes["grad_scaler_skips_a_step"]).values())
 
 
-def test_a_joined_rank_steps_nothing_and_keeps_its_step_numbers_in_line(outcomes) -> None:
+def test_a_joined_rank_steps_nothing_and_keeps_its_fingerprint_steps_in_line(outcomes) -> None:
     first, second = outcomes["uneven_inputs_in_join_then_even"]
     assert _counters(first) == (3 + STEPS + 1, 3 + STEPS + 1, 0)  # its 2 shadowed iterations: no step, no reduction
     assert _counters(second) == (5 + STEPS + 1, 5 + STEPS + 1, 0)
-    assert _numbers(first) == [1, 2, 3, 6, 7, 8, 9, 10]
-    assert _numbers(second) == list(range(1, 11))
+    assert _counts(first) == list(range(3 + STEPS + 1)) and _counts(second) == list(range(5 + STEPS + 1))
+    # Rank 0 numbers its steps 1, 2, 3, then 6 ... 10 (rank 1's 4 and 5 were taken while it shadowed).
+    assert sorted({**_carried(first), **dict([_served(first)])}) == [2, 6, 8, 10]
     agreement = _agreement(outcomes["uneven_inputs_in_join_then_even"])
     assert agreement == {2: True, 6: True, 8: True, 10: True}, agreement
 
@@ -434,16 +463,17 @@ def test_a_joined_rank_steps_nothing_and_keeps_its_step_numbers_in_line(outcomes
 def test_a_fingerprint_whose_copy_is_not_done_is_served_at_the_next_step_and_by_flush(outcomes) -> None:
     for outcome in outcomes["fingerprint_copied_later"]:
         # Taken after steps 2 and 4; each served once its copy was done: at the next step, and by flush().
-        base = _base(outcome)
+        base = outcome["base"]
         served = [None if step is None else step - base for step in outcome["served after each step"]]
         assert served == [None, None, 2, 2, 2]
-        assert max(_fingerprints(outcome)) == STEPS  # step 4's span has its fingerprint, and the gauges serve it
+        assert sorted(_carried(outcome)) == [2]  # by the iteration after step 3, once it was served
+        assert _served(outcome)[0] == STEPS
     assert all(_agreement(outcomes["fingerprint_copied_later"]).values())
 
 
 def test_a_fingerprint_that_fails_never_stops_training_and_is_counted(outcomes) -> None:
     for outcome in outcomes["fingerprint_fails"]:
         assert outcome["served"]["failures"] == STEPS // EVERY  # the two fingerprinted steps
-        assert outcome["served"]["pair"] == (None, None)
+        assert outcome["served"]["pair"] == (None, None) and _carried(outcome) == {}
         assert _counters(outcome) == (STEPS, STEPS, 0)  # counted before the fingerprint was taken
-        assert len(outcome["steps"]) == STEPS - STEPS // EVERY  # their spans were not ended
+        assert _counts(outcome) == list(range(STEPS))

@@ -84,7 +84,7 @@ def test_ids_are_unique_across_ranks_and_runs_whatever_the_seed(seeded_ranks: li
         seen: dict[str, tuple[int, int]] = {}
         for rank, outcome in enumerate(seeded_ranks):
             for run, spans in enumerate(outcome["runs"]):
-                assert spans["names"] == {"tensorplay.comm_hook", "tensorplay.join", "tensorplay.optimizer_step"}
+                assert spans["names"] == {"tensorplay.comm_hook", "tensorplay.join"}
                 ids = spans[kind]
                 assert len(ids) >= 5 and all(int(i, 16) != 0 for i in ids)  # W3C: never all zeros
                 for value in set(ids):

@@ -316,7 +316,7 @@ def _sampled_steps(rank: int, world_size: int) -> dict:
     sink = memory_sink()
     train(rank, sink.traced(default_hooks.fp16_compress_hook, error_every=3), steps=7)
     flush(30)
-    spans = sink.spans()
+    spans = sink.spans(None)
     return {
         "with error": sorted({s[Attr.STEP] for s in spans if Attr.COMPRESSION_RELATIVE_ERROR in s}),
         "without": sorted({s[Attr.STEP] for s in spans if Attr.COMPRESSION_RELATIVE_ERROR not in s}),
@@ -385,7 +385,7 @@ def _nan_bucket(rank: int, world_size: int) -> dict:
 
         traced_params = train(rank, poisoned(hook, 0), steps=2)  # poisoned in the last step
         plain_params = train(rank, poisoned(plain, 1), steps=2)
-        spans = {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s for s in sink.spans()}
+        spans = {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s for s in sink.spans(None)}
         outcome[error_every] = {
             "bitwise equal": all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(traced_params, plain_params)),
             "poisoned span": spans[(1, 0)],
@@ -488,7 +488,7 @@ def _poisoned_on_one_rank(rank: int, world_size: int) -> dict:
                 setattr(figures, watched_name, function)
         assert flush(30)
         plain_params = train(rank, poisoned(passthrough(hook), 1), steps=3)
-        spans = {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s for s in sink.spans()}
+        spans = {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s for s in sink.spans(None)}
         labels = {"rank": str(rank), "hook": name}
         outcome[name] = {
             "bitwise equal": all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(traced_params, plain_params)),
@@ -619,7 +619,7 @@ def _nan_in_a_low_precision_model(rank: int, world_size: int) -> dict:
             model(rank_batch(rank, index).to(dtype)).float().square().mean().backward()
         assert flush(30)
         outcome[name] = {
-            "spans": {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s[Attr.BUCKET_NONFINITE] for s in sink.spans()},
+            "spans": {(s[Attr.STEP], s[Attr.BUCKET_INDEX]): s[Attr.BUCKET_NONFINITE] for s in sink.spans(None)},
             "metric": sink.sample("tensorplay_bucket_nonfinite_elements_total", rank=str(rank), hook=name),
         }
     return outcome

@@ -1,8 +1,12 @@
 """Were the gradients reduced, once per optimizer step, and did the replicas stay equal? From the spans.
 
-Each rank's ``tensorplay.optimizer_step`` spans (one per optimizer step that updated a traced DDP
-model) say how many gradient reductions preceded the step, whether it updated a model with none,
-and, every ``TENSORPLAY_FINGERPRINT_EVERY`` steps, the replica fingerprint taken right after it.
+The last hook span of each iteration a traced hook reduced says how many optimizer steps had
+updated its model before it (``tensorplay.optimizer.steps``); so, per model, the iterations whose
+count is ``s - 1`` are the reductions that preceded its step ``s``, and a step without one is
+unreduced: the count jumped by more than one between two iterations. Steps after a model's last
+iteration show only when unreduced, on the span each such step has (``tensorplay.optimizer_step``,
+what a ``no_sync()`` that is never left leaves); the step right after the last iteration followed
+its reduction. Either span may carry the rank's latest replica fingerprint and its step.
 :func:`replica_sync` derives, per rank and across ranks, what the demo's report and ``tensorplay
 report`` say in one sentence each, with what to do -- the same facts the rules behind
 ``TensorplayGradientsNotReduced`` and ``TensorplayReplicasDiverged`` weigh, and the same
@@ -26,13 +30,18 @@ NAMED_STEPS = 5
 
 @dataclass(frozen=True)
 class RankSteps:
-    """One rank's optimizer steps over traced models."""
+    """One rank's optimizer steps over traced models, those the spans show (summed over its models)."""
 
     rank: int
     steps: int
+    """Steps the spans show: each model's, from its first reduced iteration to its last iteration or
+    its last unreduced step's span, whichever is later."""
     reductions: int
-    unreduced: list[int]
-    """The numbers of its steps without a reduction since the model's previous step."""
+    """Reduced iterations that preceded those steps."""
+    unreduced: int
+    """Of those steps, the ones without a reduction since their model's previous step."""
+    first_unreduced: int | None
+    """The lowest number (among its model's steps) of an unreduced step; None without one."""
     fingerprints: dict[int, int]
     """Step number -> the fingerprint taken right after it."""
 
@@ -73,16 +82,16 @@ class ReplicaSync:
     def lines(self) -> list[str]:
         """The three sentences: reductions per optimizer step, unreduced steps, fingerprints; each with what to do.
 
-        One sentence when no rank has an optimizer step span (no optimizer stepped a traced model,
-        or the spans come from a tensorplay that did not record them).
+        One sentence when the spans show no optimizer step over a traced model (none stepped, the
+        run ended right after its first, or the spans come from a tensorplay that did not count them).
         """
-        if not self.ranks:
+        if not any(rank.steps for rank in self.ranks):
             return ["gradient synchronisation: no optimizer step over a traced model was recorded (tensorplay "
                     "counts the step() of torch.optim optimizers whose parameters a traced hook reduced)"]
         return [self._reductions_line(), self._unreduced_line(), self._fingerprints_line()]
 
     def _reductions_line(self) -> str:
-        stepping = self.ranks
+        stepping = [rank for rank in self.ranks if rank.steps]
         ratios = {rank.rank: rank.reductions_per_step for rank in stepping}
         low, high = min(ratios.values()), max(ratios.values())
         if high - low < 0.05:
@@ -93,7 +102,7 @@ class ReplicaSync:
         if high >= 1.5:
             advice = ("if these are the micro-batches of gradient accumulation, no_sync() wraps only the backward: "
                       "wrap the forward too, DDP decides at the forward whether the backward reduces (a second "
-                      "backward per step, or several DDP models under one optimizer, count one each: nothing to fix then)")
+                      "backward per step counts one more: nothing to fix then)")
         elif low < 0.95:
             advice = "some steps' gradients were never reduced (next line)"
         else:
@@ -104,8 +113,8 @@ class ReplicaSync:
         affected = [rank for rank in self.ranks if rank.unreduced]
         if not affected:
             return "unreduced optimizer steps: none (every step followed a reduction of the models it updated)"
-        first = min(rank.unreduced[0] for rank in affected)
-        counts = ", ".join(f"rank {rank.rank}: {len(rank.unreduced)} of {rank.steps}" for rank in affected[:NAMED_STEPS])
+        first = min(rank.first_unreduced for rank in affected if rank.first_unreduced is not None)
+        counts = ", ".join(f"rank {rank.rank}: {rank.unreduced} of {rank.steps}" for rank in affected[:NAMED_STEPS])
         more = f" and {len(affected) - NAMED_STEPS} more ranks" if len(affected) > NAMED_STEPS else ""
         return (f"unreduced optimizer steps: {counts}{more}, the first at step {first}: each such step trained its "
                 f"rank on its own gradients, and the replicas drift apart -- a no_sync() that is never left? End "
@@ -153,19 +162,54 @@ def _steps(numbers: list[int]) -> str:
     return shown + (f", ... {numbers[-1]}" if len(numbers) > NAMED_STEPS else "")
 
 
+@dataclass(frozen=True)
+class _ModelSteps:
+    """One model's steps as its spans show them (:class:`RankSteps`' fields, for one model)."""
+
+    steps: int
+    reductions: int
+    unreduced: int
+    first_unreduced: int | None
+
+
+def _model_steps(counts: np.ndarray, unreduced_spans: np.ndarray) -> _ModelSteps:
+    """From a model's iteration counts (its hook spans) and the step numbers of its unreduced steps' spans.
+
+    Its step ``s`` is reduced when an iteration counted ``s - 1`` steps before it. The steps shown
+    run from its first iteration's count to the last count of either kind of span. Never more
+    than one pass over the distinct counts: a count far beyond the others allocates nothing.
+    """
+    if not len(counts):  # its hook spans were lost: only what the unreduced steps' spans say
+        numbers = np.unique(unreduced_spans)
+        return _ModelSteps(len(numbers), 0, len(numbers), int(numbers[0]) if len(numbers) else None)
+    distinct = np.unique(counts)
+    first, last = int(distinct[0]), max(int(distinct[-1]), int(unreduced_spans.max(initial=0)))
+    followed = distinct[distinct < last]  # the counts whose iterations a step followed
+    unreduced_at = None
+    gaps = np.flatnonzero(np.diff(distinct) > 1)
+    if len(gaps):
+        unreduced_at = int(distinct[gaps[0]]) + 2
+    elif last > distinct[-1] + 1:
+        unreduced_at = int(distinct[-1]) + 2
+    return _ModelSteps(last - first, int(np.count_nonzero(counts < last)), last - first - len(followed), unreduced_at)
+
+
 def replica_sync(steps: OptimizerSteps) -> ReplicaSync:
-    """Per rank and across ranks, from every rank's optimizer step spans."""
+    """Per rank and across ranks, from the optimizer step counts and fingerprints every rank's spans carry."""
     ranks = []
     for rank in np.unique(steps.rank).tolist():
         mine = steps.rank == rank
-        numbers, fingerprints = steps.step[mine], steps.fingerprint[mine]
-        taken = fingerprints >= 0
+        models = [_model_steps(steps.steps[same & ~steps.unreduced], steps.steps[same & steps.unreduced])
+                  for same in (mine & (steps.model == model) for model in np.unique(steps.model[mine]))]
+        taken = mine & (steps.fingerprint_step >= 0)
+        firsts = [model.first_unreduced for model in models if model.first_unreduced is not None]
         ranks.append(RankSteps(
             rank=rank,
-            steps=int(mine.sum()),
-            reductions=int(steps.reductions[mine].sum()),
-            unreduced=sorted(numbers[steps.unreduced[mine]].tolist()),
-            fingerprints=dict(zip(numbers[taken].tolist(), fingerprints[taken].tolist())),
+            steps=sum(model.steps for model in models),
+            reductions=sum(model.reductions for model in models),
+            unreduced=sum(model.unreduced for model in models),
+            first_unreduced=min(firsts) if firsts else None,
+            fingerprints=dict(zip(steps.fingerprint_step[taken].tolist(), steps.fingerprint[taken].tolist())),
         ))
     by_step: dict[int, dict[int, int]] = {}
     for rank in ranks:

@@ -18,7 +18,9 @@ and a step, bucket index or model index beyond :data:`IMPLAUSIBLE_SPREAD` times 
 the run's hook spans plus :data:`IMPLAUSIBLE_SLACK` -- the report lays out steps x buckets per rank,
 so one line claiming step 10^9 would otherwise have it allocate tens of GiB. Steps and buckets of
 a run are spread evenly from 0, so their median is about half their largest value: only a line
-far beyond all the others meets the bound.
+far beyond all the others meets the bound. The optimizer step counts spans carry
+(``tensorplay.optimizer.steps``, :class:`OptimizerSteps`) are bounded the same way, against their
+own median.
 """
 
 from __future__ import annotations
@@ -115,17 +117,25 @@ class JoinSpan:
 
 @dataclass
 class OptimizerSteps:
-    """Every ``tensorplay.optimizer_step`` span: one per optimizer step that updated a traced model, per rank."""
+    """Where the spans count a traced model's optimizer steps (docs/telemetry.md, "Replicas"), a row each.
+
+    The last hook span of each iteration a traced hook reduced gives the steps that updated its
+    model before the iteration; the ``tensorplay.optimizer_step`` span of an optimizer step that
+    updated a model with no reduction since its previous step (a bug) gives that model's steps up
+    to it. Either may carry the rank's latest replica fingerprint and the step it was taken after.
+    """
 
     rank: np.ndarray
-    step: np.ndarray
-    """The step's number on its rank (from 1; a rank that shadowed in Join counts its peers' steps meanwhile)."""
-    reductions: np.ndarray
-    """Gradient reductions of the models it updated since their previous step."""
+    model: np.ndarray
+    """Which traced model of its rank (``tensorplay.optimizer.model``: 0, 1, ... in the order first reduced)."""
+    steps: np.ndarray
+    """The model's optimizer steps counted so far: before the iteration, or up to and with the unreduced step."""
     unreduced: np.ndarray
-    """Whether it updated a model none of whose gradients were reduced since that model's previous step."""
+    """True on the span of an unreduced step, False on a hook span."""
+    fingerprint_step: np.ndarray
+    """The step (per process, from 1) the fingerprint was taken after; -1 where the span carries none."""
     fingerprint: np.ndarray
-    """The replica fingerprint taken right after it; -1 where none was."""
+    """-1 where the span carries none."""
 
     def __len__(self) -> int:
         return len(self.rank)
@@ -139,7 +149,7 @@ class Spans:
     joins: list[JoinSpan]
     files: list[Path]
     problems: list[str] = field(default_factory=list)
-    optimizer_steps: OptimizerSteps = field(default_factory=lambda: _optimizer_steps(np.zeros((0, len(_STEP_COLUMNS)), np.int64)))
+    optimizer_steps: OptimizerSteps = field(default_factory=lambda: _merge_steps([]))
     world_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
     """Per file name, each world size its spans say (their resource's ``tensorplay.world_size``, else
     their own) and how many spans say it; spans that say none are not counted."""
@@ -198,8 +208,12 @@ _SPREAD_COLUMNS = tuple(_INT_COLUMNS.index(name) for name in ("step", "bucket", 
 _ATTRIBUTE_OF = dict(zip(_READ_COLUMNS, (Attr.RANK, Attr.MODEL, Attr.STEP, Attr.BUCKET_INDEX, Attr.BUCKET_BYTES,
                                          Attr.BUCKET_WIRE_BYTES, Attr.COMPRESSION_NONFINITE, Attr.BUCKET_NONFINITE,
                                          Attr.HOOK, Attr.WORLD_SIZE)))
-_STEP_COLUMNS = ("rank", "step", "reductions", "unreduced", "fingerprint")
-_STEP_ATTRIBUTES = (Attr.RANK, Attr.OPTIMIZER_STEP, Attr.OPTIMIZER_REDUCTIONS, Attr.OPTIMIZER_UNREDUCED)
+_OPTIMIZER_MODEL, _OPTIMIZER_STEPS = Attr.OPTIMIZER_MODEL, Attr.OPTIMIZER_STEPS
+_FINGERPRINT, _FINGERPRINT_STEP = Attr.REPLICA_FINGERPRINT, Attr.REPLICA_FINGERPRINT_STEP
+_STEP_COLUMNS = ("rank", "model", "steps", "unreduced", "fingerprint_step", "fingerprint")
+_STEP_READ_COLUMNS = (*_STEP_COLUMNS, "line")
+_STEP_COUNT, _STEP_LINE = _STEP_COLUMNS.index("steps"), len(_STEP_COLUMNS)
+_STEP_INTS = (Attr.RANK, Attr.OPTIMIZER_MODEL, _OPTIMIZER_STEPS, Attr.OPTIMIZER_UNREDUCED)
 _IMPLAUSIBLE = "implausible values (a damaged line?)"
 
 
@@ -220,7 +234,7 @@ class _FileSpans:
     """The world size each join and optimizer step span says (0: none)."""
     problems: _FileProblems
     steps: np.ndarray
-    """Optimizer step spans, a row each, in the order of ``_STEP_COLUMNS``."""
+    """Rows of :data:`_STEP_READ_COLUMNS`: the optimizer step counts its spans carry."""
 
     def world_sizes(self) -> dict[int, int]:
         """Each world size the file's spans say, and how many spans say it."""
@@ -264,7 +278,7 @@ class _FileReader:
         return _FileSpans(np.array(self._ints, dtype=np.int64).reshape(-1, len(_READ_COLUMNS)),
                           np.array(self._floats, dtype=np.float64).reshape(-1, len(_FLOAT_COLUMNS)),
                           list(self._hooks), self._joins, self._other_world_sizes, problems,
-                          np.array(self._steps, dtype=np.int64).reshape(-1, len(_STEP_COLUMNS)))
+                          np.array(self._steps, dtype=np.int64).reshape(-1, len(_STEP_READ_COLUMNS)))
 
     def _add(self, span: Any, line: int) -> str | None:
         """Add one parsed span; return what makes it unreadable, or None."""
@@ -275,7 +289,7 @@ class _FileReader:
             elif name == JOIN_SPAN_NAME:
                 self._add_join(span, attributes)
             elif name == OPTIMIZER_STEP_SPAN_NAME:
-                self._add_step(span, attributes)
+                self._add_step(span, attributes, line)
             elif isinstance(name, str) and name.startswith(_TENSORPLAY_PREFIX):
                 return f"a span named {name!r}"
             return None  # ours, or the application's own span
@@ -300,9 +314,13 @@ class _FileReader:
                              attributes.get(_COMMUNICATION, _NAN)))
         if not isinstance(hook, str):
             raise TypeError("a hook name that is not a string")
+        steps = attributes.get(_OPTIMIZER_STEPS)
+        step_row = None if steps is None else _step_row(rank, attributes, steps, False, line)
         hooks.setdefault(hook, len(hooks))
         self._ints.extend(ints)
         self._floats.extend(floats)
+        if step_row is not None:
+            self._steps.extend(step_row)
 
     def _add_join(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
         rank, shadowed = attributes[Attr.RANK], attributes[Attr.JOIN_SHADOW_ITERATIONS]
@@ -318,14 +336,32 @@ class _FileReader:
                                     bool(attributes.get(Attr.JOIN_LAST_JOINER, False))))
         self._other_world_sizes.append(world_size)
 
-    def _add_step(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
-        fingerprint = attributes.get(Attr.REPLICA_FINGERPRINT, -1)
-        row = [attributes[name] for name in _STEP_ATTRIBUTES] + [fingerprint]
-        if not all(isinstance(value, int) for value in row) or min(row[:3]) < 0:
-            raise TypeError("rank, step and reductions must be whole numbers, unreduced a boolean, the fingerprint an integer")
-        world_size = _world_size(span, attributes, row[0])
+    def _add_step(self, span: dict[str, Any], attributes: dict[str, Any], line: int) -> None:
+        """An unreduced optimizer step's span."""
+        rank = attributes[_RANK]
+        if isinstance(attributes[Attr.OPTIMIZER_UNREDUCED], bool) or not isinstance(attributes[Attr.OPTIMIZER_UNREDUCED], int):
+            raise TypeError(f"{Attr.OPTIMIZER_UNREDUCED} is not an integer")
+        row = _step_row(rank, attributes, attributes[_OPTIMIZER_STEPS], True, line)
+        world_size = _world_size(span, attributes, rank)
         self._steps.extend(row)
         self._other_world_sizes.append(world_size)
+
+
+def _step_row(rank: int, attributes: dict[str, Any], steps: int, unreduced: bool, line: int) -> array:
+    """A row of :data:`_STEP_READ_COLUMNS`, checked: whole numbers, a fingerprint with its step, none negative."""
+    model = attributes[_OPTIMIZER_MODEL]
+    for name, value in ((_RANK, rank), (_OPTIMIZER_MODEL, model), (_OPTIMIZER_STEPS, steps)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} is not an integer")
+        if value < 0:
+            raise _Implausible(f"{name} = {value} < 0")
+    if (_FINGERPRINT in attributes) != (_FINGERPRINT_STEP in attributes):
+        raise TypeError(f"{_FINGERPRINT} without {_FINGERPRINT_STEP}, or the other way round")
+    row = array("q", (rank, model, steps, unreduced, attributes.get(_FINGERPRINT_STEP, -1),
+                      attributes.get(_FINGERPRINT, -1), line))
+    if min(row[4], row[5]) < -1 or (_FINGERPRINT in attributes and min(row[4], row[5]) < 0):
+        raise _Implausible(f"a negative {_FINGERPRINT} or {_FINGERPRINT_STEP}")
+    return row
 
 
 def _world_size(span: dict[str, Any], attributes: dict[str, Any], rank: int) -> int:
@@ -356,7 +392,7 @@ def _describe(span: Any, error: Exception) -> str:
     name, attributes = span.get("name"), span["attributes"]
     hook = name == HOOK_SPAN_NAME
     if name == OPTIMIZER_STEP_SPAN_NAME:
-        wrong = _wrong_type(attributes, _STEP_ATTRIBUTES[:3], ())
+        wrong = _wrong_type(attributes, _STEP_INTS, ())
     else:
         wrong = _wrong_type(attributes, _HOOK_INTS if hook else _JOIN_INTS, _HOOK_FLOATS if hook else _JOIN_FLOATS)
     if wrong is not None:
@@ -423,7 +459,13 @@ def _read_files(files: list[Path]) -> list[_FileSpans]:
 
 
 def _drop_implausible(parts: list[_FileSpans]) -> None:
-    """Skip and count, in each file, the hook spans with values no run has (the module's docstring says which)."""
+    """Skip and count, in each file, the spans with values no run has (the module's docstring says which)."""
+    _drop_implausible_hooks(parts)
+    _drop_implausible_step_counts(parts)
+
+
+def _drop_implausible_hooks(parts: list[_FileSpans]) -> None:
+    """Skip and count the hook spans with values no run has, and the optimizer step counts they carried."""
     if not any(len(part.ints) for part in parts):
         return
     spread = np.concatenate([part.ints[:, _SPREAD_COLUMNS] for part in parts])
@@ -439,6 +481,25 @@ def _drop_implausible(parts: list[_FileSpans]) -> None:
         part.problems.add(_IMPLAUSIBLE, int(lines[first]), _why_implausible(rows[bad][first], medians, limits),
                           count=int(bad.sum()))
         part.ints, part.floats = rows[~bad], part.floats[~bad]
+        part.steps = part.steps[~np.isin(part.steps[:, _STEP_LINE], lines)]
+
+
+def _drop_implausible_step_counts(parts: list[_FileSpans]) -> None:
+    """Skip and count the optimizer step counts far beyond the run's others, as for steps of hook spans."""
+    counts = np.concatenate([np.zeros(0, np.int64)] + [part.steps[:, _STEP_COUNT] for part in parts])
+    if not len(counts):
+        return
+    median = float(np.median(counts))
+    limit = IMPLAUSIBLE_SPREAD * median + IMPLAUSIBLE_SLACK
+    for part in parts:
+        bad = part.steps[:, _STEP_COUNT] > limit
+        if bad.any():
+            first = int(np.argmin(part.steps[bad, _STEP_LINE]))
+            part.problems.add(_IMPLAUSIBLE, int(part.steps[bad, _STEP_LINE][first]),
+                              f"{_OPTIMIZER_STEPS} = {part.steps[bad, _STEP_COUNT][first]}, where the run's median is "
+                              f"{median:g} (more than {IMPLAUSIBLE_SPREAD} x {median:g} + {IMPLAUSIBLE_SLACK} is taken "
+                              f"for damage)", count=int(bad.sum()))
+            part.steps = part.steps[~bad]
 
 
 def _why_implausible(row: np.ndarray, medians: np.ndarray, limits: np.ndarray) -> str:
@@ -475,15 +536,12 @@ def _merge(parts: list[_FileSpans]) -> HookSpans:
     return HookSpans(**columns, hook_names=list(names))
 
 
-def _optimizer_steps(rows: np.ndarray) -> OptimizerSteps:
-    columns = {name: np.ascontiguousarray(rows[:, i]) for i, name in enumerate(_STEP_COLUMNS)}
+def _merge_steps(parts: list[_FileSpans]) -> OptimizerSteps:
+    """One set of optimizer step columns from every file's rows."""
+    merged = np.concatenate([np.zeros((0, len(_STEP_READ_COLUMNS)), np.int64)] + [part.steps for part in parts])
+    columns = {name: np.ascontiguousarray(merged[:, i]) for i, name in enumerate(_STEP_COLUMNS)}
     columns["unreduced"] = columns["unreduced"].astype(bool)
     return OptimizerSteps(**columns)
-
-
-def _merged_steps(parts: list[_FileSpans]) -> OptimizerSteps:
-    return _optimizer_steps(np.concatenate([part.steps for part in parts]) if parts
-                            else np.zeros((0, len(_STEP_COLUMNS)), np.int64))
 
 
 def read_spans(source: Path) -> Spans:
@@ -499,7 +557,7 @@ def read_spans(source: Path) -> Spans:
     hooks = _merge(parts)
     joins = [join for part in parts for join in part.joins]
     problems = [problem for part in parts for problem in part.problems.messages()]
-    steps = _merged_steps(parts)
+    steps = _merge_steps(parts)
     if not len(hooks) and not joins and not len(steps):
         raise NoSpans("; ".join(problems) if problems else
                       f"no tensorplay spans in {', '.join(str(path) for path in files)}")
@@ -511,8 +569,9 @@ def merge_spans(parts: list[Spans]) -> Spans:
     as_rows = [_FileSpans(np.stack([getattr(part.hooks, name) for name in _INT_COLUMNS], axis=1),
                           np.stack([getattr(part.hooks, name) for name in _FLOAT_COLUMNS], axis=1),
                           part.hooks.hook_names, part.joins, [], _FileProblems(Path()),
-                          np.stack([getattr(part.optimizer_steps, name).astype(np.int64) for name in _STEP_COLUMNS], axis=1))
+                          np.stack([getattr(part.optimizer_steps, name).astype(np.int64) for name in _STEP_COLUMNS]
+                                   + [np.zeros(len(part.optimizer_steps), np.int64)], axis=1))
                for part in parts]
     return Spans(_merge(as_rows), [join for part in parts for join in part.joins],
                  [path for part in parts for path in part.files], [p for part in parts for p in part.problems],
-                 _merged_steps(as_rows), {name: sizes for part in parts for name, sizes in part.world_sizes.items()})
+                 _merge_steps(as_rows), {name: sizes for part in parts for name, sizes in part.world_sizes.items()})

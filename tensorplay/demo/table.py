@@ -75,9 +75,11 @@ def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: Ru
               "costs the job: the share of every step its peers wait for it there (what the straggler verdict "
               "and TensorplayStragglerRank weigh);  latest on: steps at which it arrived last;  "
               "median late: its lateness at the median step (a straggler is late on most steps, not a few)",
-              "gradient reductions, unreduced steps, replica fingerprints: from each optimizer step's "
-              "tensorplay.optimizer_step span (a fingerprint every TENSORPLAY_FINGERPRINT_EVERY optimizer steps, "
-              "the demo's default 5), what TensorplayGradientsNotReduced and TensorplayReplicasDiverged weigh",
+              "gradient reductions, unreduced steps, replica fingerprints: from the optimizer step counts on each "
+              "reduced iteration's last hook span and the tensorplay.optimizer_step span of each unreduced step (the "
+              "steps shown: up to each rank's last iteration, later ones only when unreduced; a fingerprint every "
+              "TENSORPLAY_FINGERPRINT_EVERY optimizer steps, the demo's default 5), what TensorplayGradientsNotReduced "
+              "and TensorplayReplicasDiverged weigh",
               f"spans: {run_dir.path}/spans-rank*.jsonl"
               + (" on each node, its own ranks' (copy them into one directory for tensorplay report)" if nodes > 1 else ""),
               "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")

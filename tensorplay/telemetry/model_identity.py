@@ -49,7 +49,7 @@ class ModelSteps:
 
     __slots__ = (
         "index", "step", "expected_bucket", "previous_step_end", "rank_and_world", "buffers", "placed_on",
-        "timeline",
+        "timeline", "reduced",
         "__weakref__",
     )
 
@@ -71,6 +71,8 @@ class ModelSteps:
         """The thread that placed this model's latest new buffer (the thread running its backward then)."""
         self.timeline: StepTimeline | None = None
         """The iteration in progress, if the step counters count it: one per model at a time."""
+        self.reduced = False
+        """Whether a traced call of the iteration in progress launched a collective (a user's hook is taken to)."""
 
 
 class KnownBucket:

@@ -38,10 +38,13 @@ class Attr:
     JOIN_WAIT_MS = "tensorplay.join.wait_ms"
     JOIN_LAST_JOINER = "tensorplay.join.last_joiner"
     MODEL = "tensorplay.model"
-    OPTIMIZER_STEP = "tensorplay.optimizer.step"
-    OPTIMIZER_REDUCTIONS = "tensorplay.optimizer.reductions"
+    # Extensions (docs/telemetry.md, "Replicas"): on the last hook span of each reduced iteration,
+    # and on the span of an unreduced optimizer step.
+    OPTIMIZER_MODEL = "tensorplay.optimizer.model"
+    OPTIMIZER_STEPS = "tensorplay.optimizer.steps"
     OPTIMIZER_UNREDUCED = "tensorplay.optimizer.unreduced"
     REPLICA_FINGERPRINT = "tensorplay.replica.fingerprint"
+    REPLICA_FINGERPRINT_STEP = "tensorplay.replica.fingerprint_step"
     STEP_BUSY_MS = "tensorplay.step.busy_ms"
     STEP_EXPOSED_COMMUNICATION_MS = "tensorplay.step.exposed_communication_ms"
     STEP_COMMUNICATION_MS = "tensorplay.step.communication_ms"

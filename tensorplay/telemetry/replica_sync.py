@@ -5,9 +5,10 @@ so a joined or dead rank can never make a check hang):
 
 * ``tensorplay_gradient_reductions_total``: DDP iterations whose gradients a traced hook reduced,
   each model's iteration once. A traced hook says so at the last bucket of each of its models'
-  iterations (:func:`model_iteration_reduced`): nothing per bucket, one look-up and a counter per
-  iteration. An iteration shadowed inside ``Join`` is not counted, nor one whose hook launched no
-  collective (``noop_hook``: nothing was reduced);
+  iterations (:func:`model_iteration_ended`): one look-up and a counter per iteration. An
+  iteration shadowed inside ``Join`` is not counted, nor one none of whose hook calls launched a
+  collective (``noop_hook``: nothing was reduced). A model is watched from its first reduced
+  iteration: one only ever served by ``noop_hook`` is not, and neither are its optimizer steps;
 * ``tensorplay_optimizer_steps_total``: ``step()``\\ s of ``torch.optim`` optimizers that updated
   parameters of a traced model, seen through torch's global optimizer step hooks (installed once
   per process, when the first hook is traced: nothing to patch, nothing for users to add). A
@@ -31,17 +32,20 @@ An optimizer stepped from inside another one's ``step()`` counts once, as the ou
 shards, and only after that are the replicas equal again. The inner optimizers are found among
 the outer one's attributes at its first pre-step hook.
 
-Steps are numbered per process from 1 (``tensorplay.optimizer.step``, the fingerprint's step). A
-rank that shadows inside tensorplay's ``Join`` steps nothing, but its peers do: so that the ranks'
+The fingerprint's step numbers a process's optimizer steps from 1. A rank that shadows inside tensorplay's ``Join`` steps nothing, but its peers do: so that the ranks'
 numbers keep meaning the same training step after an uneven ``Join`` (whose end makes every
 replica equal to the last joiner's), the numbering adds the steps its peers took meanwhile: per
 iteration it shadowed, as many as it took itself per reduced iteration over its latest 32 steps
 (since the traced models last changed): one without accumulation or with it done right.
 ``tensorplay_optimizer_steps_total`` counts only its own steps.
 
-Each counted step is a ``tensorplay.optimizer_step`` span (from the outer ``step()``'s start to
-its end, ended on ``tensorplay-finisher``) when an SDK records spans: what the report reads.
-Telemetry never raises into training: a failure is logged once and counted.
+What the report reads rides on the hook spans (docs/telemetry.md, "Replicas"): the last hook span
+of each reduced iteration carries the model's optimizer steps counted before it
+(``tensorplay.optimizer.steps``), and the latest fingerprint with its step if its model's spans
+have not carried it yet. Only an optimizer step that updated a model with no reduction since
+its previous step (a bug) has a span of its own, ``tensorplay.optimizer_step``: no hook span may
+follow it (a ``no_sync()`` that is never left stops every hook call). Telemetry never raises
+into training: a failure is logged once and counted.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ __all__ = [
     "FINGERPRINT_EVERY_ENV",
     "watch_optimizer_steps",
     "fingerprint_every",
-    "model_iteration_reduced",
+    "model_iteration_ended",
     "settle_fingerprint",
 ]
 
@@ -94,17 +98,28 @@ RECENT_STEPS = 32
 
 
 class SyncedModel:
-    """A traced DDP model as this module sees it: its parameters, and its reductions since its last step."""
+    """A traced DDP model as this module sees it: its parameters, its optimizer steps, its reductions since the last."""
 
-    __slots__ = ("parameters", "indices", "pending", "metrics", "tracer_provider", "__weakref__")
+    __slots__ = ("parameters", "indices", "number", "hook", "index", "steps", "pending", "fingerprint_carried",
+                 "metrics", "tracer_provider", "__weakref__")
 
-    def __init__(self, parameters: list[torch.Tensor], tracer_provider: trace.TracerProvider | None) -> None:
+    def __init__(self, parameters: list[torch.Tensor], number: int, hook: str, index: int,
+                 fingerprint_carried: int, tracer_provider: trace.TracerProvider | None) -> None:
         self.parameters = [weakref.ref(parameter) for parameter in parameters]
         """In the order the model's buckets first held them; weakly: the model's life is its own."""
         self.indices: list[torch.Tensor | None] = [None] * len(parameters)
         """Each parameter's sampled indices, on its device, made at the first fingerprint."""
+        self.number = number
+        """This process's number for it, 0, 1, ... in the order models were first reduced, never reused
+        (``tensorplay.optimizer.model``): two traced hooks of one name each have a ``tensorplay.model`` 0."""
+        self.hook, self.index = hook, index
+        """What its hook spans say it is: ``tensorplay.hook`` and ``tensorplay.model``."""
+        self.steps = 0
+        """Optimizer steps that updated it."""
         self.pending = 0
         """Iterations reduced since this model's previous optimizer step."""
+        self.fingerprint_carried = fingerprint_carried
+        """The step of the latest fingerprint its hook spans carried, or was taken before it was watched (0: none)."""
         self.metrics: TensorplayMetrics | None = None
         """The metrics of the hook that traced it, as of its latest reduction (None: off)."""
         self.tracer_provider = tracer_provider
@@ -128,12 +143,10 @@ class _OptimizerView:
 class _PendingFingerprint:
     """A fingerprint whose sample the device is still copying, with what to publish once it is there."""
 
-    __slots__ = ("sample", "step", "models", "span", "attributes", "ended_ns")
+    __slots__ = ("sample", "step", "models")
 
-    def __init__(self, sample: Sample, step: int, models: list[SyncedModel], span: OwnedSpan | None,
-                 attributes: dict[str, Any], ended_ns: int) -> None:
+    def __init__(self, sample: Sample, step: int, models: list[SyncedModel]) -> None:
         self.sample, self.step, self.models = sample, step, models
-        self.span, self.attributes, self.ended_ns = span, attributes, ended_ns
 
 
 class _Watch:
@@ -147,6 +160,8 @@ class _Watch:
         """Parameter -> the traced models holding it (these lists keep the models alive)."""
         self.order: list[weakref.ref[SyncedModel]] = []
         """The models in the order they were first reduced: the fingerprint's order."""
+        self.added = 0
+        """Models watched so far: the next one's number."""
         self.generation = 0
         """Changes whenever a model comes or goes: every optimizer's view is decided again."""
         self.views: weakref.WeakKeyDictionary[Optimizer, _OptimizerView] = weakref.WeakKeyDictionary()
@@ -158,19 +173,26 @@ class _Watch:
         """The step number of fingerprints and spans: own steps, plus the peers' while shadowing inside Join."""
         self.shadowed = 0
         """Iterations reduced while shadowing inside Join, not yet added to the numbering."""
+        self.unreduced = 0
+        """Optimizer steps of this process that updated a model with no reduction since its previous step."""
         self.rank: int | None = None
         self.world_size: int | None = None
         self.pending: _PendingFingerprint | None = None
+        self.latest: tuple[int, int] | None = None
+        """The latest fingerprint published: ``(step, fingerprint)``."""
         self.failed = False
 
-    def add(self, hook_models: ModelsOfHook, model: ModelSteps,
+    def add(self, hook_models: ModelsOfHook, model: ModelSteps, record: BucketRecord,
             tracer_provider: trace.TracerProvider | None) -> SyncedModel:
         """Start watching ``model``, first reduced now: its parameters are all in its buckets by its last one."""
         with self.lock:
             synced = self.by_steps.get(model)
             if synced is not None:
                 return synced
-            synced = SyncedModel(hook_models.parameters_of(model), tracer_provider)
+            latest = self.latest
+            synced = SyncedModel(hook_models.parameters_of(model), self.added, record.hook, record.model,
+                                 latest[0] if latest is not None else 0, tracer_provider)
+            self.added += 1
             for ref in synced.parameters:
                 parameter = ref()
                 holders = self.by_parameter.get(parameter)
@@ -257,30 +279,43 @@ def watch_optimizer_steps() -> None:
             _installed = True
 
 
-def model_iteration_reduced(hook_models: ModelsOfHook, model: ModelSteps, record: BucketRecord,
-                            tracer_provider: trace.TracerProvider | None, launched: bool) -> None:
+def model_iteration_ended(hook_models: ModelsOfHook, model: ModelSteps, record: BucketRecord,
+                          tracer_provider: trace.TracerProvider | None, reduced: bool) -> None:
     """A traced hook handed the last bucket of ``model``'s iteration to its hook (training thread).
 
-    The model is watched from then on; the iteration counts as reduced if that call ``launched``
-    a collective (a user's hook is taken to have; ``noop_hook`` launches none).
+    ``reduced``: whether a call of the iteration launched a collective (a user's hook is taken to
+    have; ``noop_hook`` launches none). The model is watched from its first reduced iteration on;
+    the last call's span (``record``) of each reduced one carries what the report reads.
     """
     watch = _watch
     try:
         if probe.in_shadow_phase():
-            watch.shadowed += launched
+            watch.shadowed += reduced
+            return
+        if not reduced:
             return
         synced = watch.by_steps.get(model)
         if synced is None:
-            synced = watch.add(hook_models, model, tracer_provider)
+            synced = watch.add(hook_models, model, record, tracer_provider)
             watch.rank, watch.world_size = record.rank, record.world_size
             _open_counters(record.metrics, record.rank_label)
         synced.metrics = record.metrics
-        if launched:
-            synced.pending += 1
-            if record.metrics is not None:
-                record.metrics.child(record.metrics.gradient_reductions, record.rank_label).inc()
+        synced.pending += 1
+        if record.metrics is not None:
+            record.metrics.child(record.metrics.gradient_reductions, record.rank_label).inc()
+        record.sync_attributes = _iteration_attributes(watch, synced)
     except Exception:
         _failed("counting a gradient reduction", record.metrics)
+
+
+def _iteration_attributes(watch: _Watch, synced: SyncedModel) -> dict[str, int]:
+    """The model's optimizer steps so far, and the latest fingerprint if none of its spans carried it yet."""
+    attributes = {Attr.OPTIMIZER_MODEL: synced.number, Attr.OPTIMIZER_STEPS: synced.steps}
+    latest = watch.latest
+    if latest is not None and latest[0] != synced.fingerprint_carried:
+        attributes[Attr.REPLICA_FINGERPRINT_STEP], attributes[Attr.REPLICA_FINGERPRINT] = latest
+        synced.fingerprint_carried = latest[0]
+    return attributes
 
 
 def _open_counters(metrics: TensorplayMetrics | None, rank: str) -> None:
@@ -318,7 +353,7 @@ def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
 
 def _count_step(watch: _Watch, updated: list[SyncedModel], started_ns: int, ended_ns: int) -> None:
     reductions = sum(model.pending for model in updated)
-    unreduced = any(model.pending == 0 for model in updated)
+    unreduced = [model for model in updated if model.pending == 0]
     if watch.shadowed:
         # The steps the peers took while this rank shadowed their iterations: as many per shadowed
         # iteration as this rank took per reduced iteration of its own, over its latest steps.
@@ -329,33 +364,47 @@ def _count_step(watch: _Watch, updated: list[SyncedModel], started_ns: int, ende
     watch.recent.append(reductions)
     watch.numbering += 1
     for model in updated:
+        model.steps += 1
         model.pending = 0
+    watch.unreduced += bool(unreduced)
     rank = str(watch.rank)
     for metrics in _metrics_of(updated):
         metrics.child(metrics.optimizer_steps, rank).inc()
         if unreduced:
             metrics.child(metrics.unreduced_optimizer_steps, rank).inc()
-    provider = updated[0].tracer_provider
-    span_tracer = tracer(provider)
-    span = OwnedSpan.later(span_tracer, OPTIMIZER_STEP_SPAN_NAME, started_ns) if may_record(span_tracer) else None
-    attributes: dict[str, Any] = {
-        Attr.RANK: watch.rank,
-        Attr.WORLD_SIZE: watch.world_size,
-        Attr.OPTIMIZER_STEP: watch.numbering,
-        Attr.OPTIMIZER_REDUCTIONS: reductions,
-        Attr.OPTIMIZER_UNREDUCED: unreduced,
-    }
     every = fingerprint_every()
     if every and watch.numbering % every == 0 and watch.pending is None:
         models = watch.models()
-        pending = _PendingFingerprint(_sample(models), watch.numbering, models, span, attributes, ended_ns)
+        pending = _PendingFingerprint(_sample(models), watch.numbering, models)
         if pending.sample.ready():
             _publish(pending)
         else:
             watch.pending = pending
+    for model in unreduced:
+        _unreduced_step_span(watch, model, started_ns, ended_ns)
+
+
+def _unreduced_step_span(watch: _Watch, model: SyncedModel, started_ns: int, ended_ns: int) -> None:
+    """The span of an optimizer step that updated ``model`` with none of its gradients reduced since its previous one.
+
+    The evidence of a bug, so rare; no hook span may follow it to say so (a ``no_sync()`` that is
+    never left stops every hook call).
+    """
+    span_tracer = tracer(model.tracer_provider)
+    if not may_record(span_tracer):
         return
-    if span is not None:
-        finisher().end_span(span, attributes, end_time=ended_ns)
+    attributes: dict[str, Any] = {
+        Attr.RANK: watch.rank,
+        Attr.WORLD_SIZE: watch.world_size,
+        Attr.HOOK: model.hook,
+        Attr.MODEL: model.index,
+        Attr.OPTIMIZER_MODEL: model.number,
+        Attr.OPTIMIZER_STEPS: model.steps,
+        Attr.OPTIMIZER_UNREDUCED: watch.unreduced,
+    }
+    if watch.latest is not None:
+        attributes[Attr.REPLICA_FINGERPRINT_STEP], attributes[Attr.REPLICA_FINGERPRINT] = watch.latest
+    finisher().end_span(OwnedSpan.later(span_tracer, OPTIMIZER_STEP_SPAN_NAME, started_ns), attributes, end_time=ended_ns)
 
 
 def _sample(models: list[SyncedModel]) -> Sample:
@@ -376,21 +425,18 @@ def _sample(models: list[SyncedModel]) -> Sample:
 
 
 def _publish(pending: _PendingFingerprint) -> None:
-    """The sample is on the host: hash it, serve it with its step, and end the step's span."""
+    """The sample is on the host: hash it, serve it with its step, and hand it to the next spans."""
     value = pending.sample.value()
     rank = str(_watch.rank)
     for metrics in _metrics_of(pending.models):
         metrics.replica_fingerprints.set(rank, pending.step, value)
-    if pending.span is not None:
-        pending.attributes[Attr.REPLICA_FINGERPRINT] = value
-        finisher().end_span(pending.span, pending.attributes, end_time=pending.ended_ns)
+    _watch.latest = (pending.step, value)
 
 
 def settle_fingerprint(timeout: float | None) -> bool:
     """Publish a fingerprint whose device copy is still under way, polling its events for at most ``timeout`` s.
 
-    :func:`~tensorplay.telemetry.flush` calls it, so a job's last fingerprint is served and its span
-    ended. Returns False if the copy had not happened in time (it stays pending).
+    :func:`~tensorplay.telemetry.flush` calls it, so a job's last fingerprint is served. Returns False if the copy had not happened in time (it stays pending).
     """
     watch = _watch
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -7,7 +7,8 @@ start time (the span itself is started where :mod:`.finish` finishes the record)
 tensorplay's hooks report their own collectives and compression (a user's hook gets bucket
 sizes and latency), runs the very same hook (same gradients, bit for bit), and chains one plain
 ``then`` on its future that hands the record to :mod:`.finish`. At the last bucket of a model's
-iteration it tells :mod:`.replica_sync`, which counts gradient reductions against optimizer steps.
+iteration it tells :mod:`.replica_sync` whether a call of the iteration launched a collective; that
+module counts gradient reductions against optimizer steps.
 With no SDK tracer provider and metrics off, a call costs a few attribute reads and the hook runs
 untouched.
 """
@@ -85,7 +86,8 @@ def traced(
     ``tensorplay_step_compute_seconds`` is the first model's.
 
     The first hook traced in a process installs torch's global optimizer step hooks, which count
-    the optimizer steps over the models it traces and fingerprint the replicas every
+    the optimizer steps over the models its calls reduced (a model only ever served by
+    ``noop_hook`` is not counted) and fingerprint the replicas every
     ``TENSORPLAY_FINGERPRINT_EVERY`` steps (:mod:`.replica_sync`; a value that is no whole number
     >= 0 is a ``ValueError`` here).
 
@@ -180,9 +182,11 @@ class _TracedHook:
             raise
         finally:
             probe.uninstall_recorder(token)
+        model = place.model
+        if place.first_of_step or not model.reduced:  # a model is traced from a call that reduced (not noop_hook's)
+            model.reduced = bool(record.launches) or not self._reports_collectives
         if place.last_of_step:
-            launched = not self._reports_collectives or bool(record.launches)  # noop_hook reduces nothing
-            replica_sync.model_iteration_reduced(self._models, place.model, record, self._tracer_provider, launched)
+            replica_sync.model_iteration_ended(self._models, model, record, self._tracer_provider, model.reduced)
         try:
             return record.follow(future, bucket, finisher().completed)
         except Exception:  # telemetry must never break training: hand DDP the hook's own future
