@@ -33,7 +33,7 @@ from tensorplay.telemetry.names import HOOK_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME,
 
 from .ranks import run_ranks
 from .sink import MemorySink, memory_sink
-from .training import BUCKET_CAP_MB, WIDTH, make_model, rank_batch
+from .training import BUCKET_CAP_MB, make_model, rank_batch
 
 WORLD_SIZE = 2
 EVERY = 2  # TENSORPLAY_FINGERPRINT_EVERY in the ranks
