@@ -32,12 +32,14 @@ An optimizer stepped from inside another one's ``step()`` counts once, as the ou
 shards, and only after that are the replicas equal again. The inner optimizers are found among
 the outer one's attributes at its first pre-step hook.
 
-The fingerprint's step numbers a process's optimizer steps from 1. A rank that shadows inside tensorplay's ``Join`` steps nothing, but its peers do: so that the ranks'
-numbers keep meaning the same training step after an uneven ``Join`` (whose end makes every
-replica equal to the last joiner's), the numbering adds the steps its peers took meanwhile: per
-iteration it shadowed, as many as it took itself per reduced iteration over its latest 32 steps
-(since the traced models last changed): one without accumulation or with it done right.
-``tensorplay_optimizer_steps_total`` counts only its own steps.
+The fingerprint's step numbers a process's optimizer steps from 1. A rank that shadows inside
+tensorplay's ``Join`` steps nothing, but its peers do: so that the ranks' numbers keep meaning
+the same training step after an uneven ``Join`` (whose end makes every replica equal to the last
+joiner's), the numbering adds the steps its peers took meanwhile (a documented deviation from
+the contract's "per process"): per iteration it shadowed, as many as it took itself per reduced
+iteration over its latest 32 steps (since the traced models last changed): one without
+accumulation or with it done right. ``tensorplay_optimizer_steps_total`` counts only its own
+steps, and each model's count on the spans only the steps that updated it.
 
 What the report reads rides on the hook spans (docs/telemetry.md, "Replicas"): the last hook span
 of each reduced iteration carries the model's optimizer steps counted before it
