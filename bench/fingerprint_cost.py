@@ -25,7 +25,9 @@ default interval): on one gloo rank, the demo's MLP twice, each in DDP with Adam
 ``traced(allreduce_hook)`` (metrics on, spans recorded by an SDK provider), one with the plain
 hook; the thread CPU of each ``optimizer.step()``, the two alternating step by step; the difference
 of the medians, with each one's IQR (it is within their spread); then replica_sync's two step
-hooks alone, timed around direct calls after each backward (each call counts a step).
+hooks alone, timed around direct calls after each backward (each call counts a reduced step, the
+usual one: no span); then the same hooks called a second time after a backward, which counts an
+unreduced step, the one step that has a span of its own (handed to ``tensorplay-finisher``).
 
     python bench/fingerprint_cost.py [--calls 200]
 """
@@ -169,21 +171,23 @@ def counting_cost(steps: int) -> None:
                 seconds[name].append((time.thread_time_ns() - started) / 1e9)
     # The two hooks alone, called as torch calls them around a step (private names: a bench's look inside).
     model, optimizer = setups["traced"]
-    hooks_s = []
+    hooks_s: dict[str, list[float]] = {"reduced": [], "unreduced": []}
     for _ in range(steps):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        started = time.thread_time_ns()
-        replica_sync._before_step(optimizer, (), {})
-        replica_sync._after_step(optimizer, (), {})
-        hooks_s.append((time.thread_time_ns() - started) / 1e9)
+        for kind in hooks_s:  # the second step after one backward has no reduction since the first
+            started = time.thread_time_ns()
+            replica_sync._before_step(optimizer, (), {})
+            replica_sync._after_step(optimizer, (), {})
+            hooks_s[kind].append((time.thread_time_ns() - started) / 1e9)
     flush(10)
     (untraced, u1, u3), (traced_s, t1, t3) = _quartiles(seconds["untraced"]), _quartiles(seconds["traced"])
-    hooks, h1, h3 = _quartiles(hooks_s)
+    (hooks, h1, h3), (unreduced, r1, r3) = _quartiles(hooks_s["reduced"]), _quartiles(hooks_s["unreduced"])
     print(f"counting, per optimizer step of the demo's MLP (Adam), thread CPU: untraced model {1e6 * untraced:.1f} us "
           f"(IQR {1e6 * u1:.1f} - {1e6 * u3:.1f}), traced {1e6 * traced_s:.1f} us (IQR {1e6 * t1:.1f} - {1e6 * t3:.1f}): "
           f"{1e6 * (traced_s - untraced):+.1f} us per step; the step hooks alone: {1e6 * hooks:.1f} us "
-          f"(IQR {1e6 * h1:.1f} - {1e6 * h3:.1f}), {100 * hooks / untraced:.2f} % of the untraced step")
+          f"(IQR {1e6 * h1:.1f} - {1e6 * h3:.1f}), {100 * hooks / untraced:.2f} % of the untraced step; "
+          f"an unreduced step's, with its span: {1e6 * unreduced:.1f} us (IQR {1e6 * r1:.1f} - {1e6 * r3:.1f})")
     dist.destroy_process_group()
     provider.shutdown()
 
