@@ -18,14 +18,34 @@ For each job size N it prints:
    the series and bytes answered and Prometheus' peak samples. Queries over 1 s are flagged
    ("> 1 s"; in brackets where the panel does not run the query that way).
 
-``--noise-floor`` prints the share of every step the job waits for its latest healthy rank at 5 %
-between-rank spread (``--spread``) for 64, 512, 4,096 and 10,000 ranks, from the generator alone
-(over 10 seeds), as the recording rules compute it.
+The straggler rule at scale, run in Python over jobs simulated step by step (tests/step_timing.py:
+every step each rank's work times its own noise, the step as long as its slowest rank; the rule as
+tests/rule_simulation.py evaluates it, with tensorplay/analysis/straggler.py's decision, which
+tests/test_straggler_analysis.py ties to the rule files), for the job sizes given (default 64,
+512, 4,096 and 10,000 ranks):
+
+* ``--noise-floor``: the share of every step the job waits for its latest healthy rank, and the
+  rule's threshold beside it, over 10 seeds;
+* ``--smallest``: the smallest straggler named within three windows (its compute ``f`` times a
+  typical rank's, like the scenarios' x1.6), for each per-step spread of ``--step-noise`` (default
+  5, 10 and 20 %): named by the rule at 15 minutes and its alert firing at 17, in every one of
+  ``--seeds`` jobs; beside it how often that rank was the latest to arrive, against the most any
+  healthy rank was;
+* ``--day``: a healthy job over a simulated day (5,760 evaluations at 15 s): the alerts fired,
+  the evaluations at which some rank was above the job's noise in its current window, and what
+  one window alone (no persistence) would have fired.
+
+Every job draws its ranks' persistent spread from ``--spread``/``--spread-kind`` (5 % lognormal:
+what healthy GPUs of one type show) and each step's noise from ``--step-noise``/
+``--step-noise-kind`` (lognormal, or ``pareto``: Pareto II of shape 3, a heavy tail of rare long
+steps, with the same standard deviation); the backfilled jobs above use the same parameters.
 
 Run from the repository root (needs promtool and prometheus: apt-get install prometheus)::
 
     nice -n 10 python bench/rules_at_scale.py --ranks 512
     nice -n 10 python bench/rules_at_scale.py --ranks 4096 --repeats 3
+    nice -n 10 python bench/rules_at_scale.py --smallest
+    nice -n 10 python bench/rules_at_scale.py --day --step-noise 0.1
 """
 
 from __future__ import annotations
@@ -48,13 +68,15 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tensorplay.analysis.straggler import MIN_LATENESS_S, SHARE_THRESHOLD  # noqa: E402
+from tensorplay.analysis.straggler import MIN_LATENESS_S, job_noise, shares_of  # noqa: E402
 from tensorplay.telemetry.names import Metric  # noqa: E402
 from tests.alert_firing import firing, notifications  # noqa: E402
-from tests.alert_rules import RULE_FILES, alerts  # noqa: E402
+from tests.alert_rules import RULE_FILES, alert_rules  # noqa: E402
 from tests.backfill import aligned_start, backfilled_prometheus, evaluation_time  # noqa: E402
 from tests.dashboard_queries import dashboard_queries  # noqa: E402
 from tests.prometheus_server import PrometheusServer  # noqa: E402
+from tests.rule_simulation import RuleRun, run_rule  # noqa: E402
+from tests.step_timing import KINDS, Spread, Timeline, simulate  # noqa: E402
 from tests.synthetic_job import SCRAPE_INTERVAL_S, Scenario, SyntheticJob, series_per_rank, standard_scenarios  # noqa: E402
 
 SLOW_S = 1.0
@@ -67,25 +89,26 @@ QUERY_BUDGET_S = 20.0  # stop repeating a query once its runs took this long tog
 
 
 def alert_table(server: PrometheusServer, scenarios: list[Scenario], at: float) -> None:
-    print(f"  {'alert':<30} {'job (scenario)':<22} {'ranks':>6}  {'first ranks':<40} {'alerts':>6} {'notif.':>6}")
+    print(f"  {'alert':<36} {'job (scenario)':<22} {'ranks':>6}  {'first ranks':<40} {'alerts':>6} {'notif.':>6}")
     silent = []
-    for name, rule in alerts().items():
+    for rule in alert_rules():
         fired = firing(server, rule, at, SCRAPE_INTERVAL_S)
+        name = rule["alert"] + (f" ({rule['labels']['severity']})" if rule["alert"] == "TensorplayStragglerRank" else "")
         if not fired:
             silent.append(name)
-            if name != "TensorplayStragglerRank":
+            if not name.startswith("TensorplayStragglerRank"):
                 continue  # the straggler alert's silence on most jobs is the point: shown per job
         for scenario in scenarios:
             of_job = [a for a in fired if a.labels.get("job") == scenario.job]
             ranks = sorted({int(a.labels["rank"]) for a in of_job if "rank" in a.labels})
-            if not of_job and name != "TensorplayStragglerRank":
+            if not of_job and not name.startswith("TensorplayStragglerRank"):
                 continue
             first = ", ".join(map(str, ranks[:SHOWN_RANKS])) + (" ..." if len(ranks) > SHOWN_RANKS else "")
             hooks = sorted({a.labels["hook"] for a in of_job if "hook" in a.labels})
             first += f" ({len(hooks)} hooks)" if len(hooks) > 1 else ""
-            print(f"  {name:<30} {scenario.job:<22} {len(ranks):>6}  {first or '-':<40} {len(of_job):>6} "
+            print(f"  {name:<36} {scenario.job:<22} {len(ranks):>6}  {first or '-':<40} {len(of_job):>6} "
                   f"{notifications(of_job):>6}")
-    print(f"  silent on every job: {', '.join(n for n in silent if n != 'TensorplayStragglerRank') or '-'}")
+    print(f"  silent on every job: {', '.join(n for n in silent if not n.startswith('TensorplayStragglerRank')) or '-'}")
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -169,32 +192,131 @@ def timing_table(server: PrometheusServer, at: float, repeats: int, dashboards: 
 # -- noise floor ----------------------------------------------------------------------------------
 
 
-def highest_healthy_share(ranks: int, seed: int, spread: float) -> tuple[float, float]:
+@dataclass(frozen=True)
+class Noise:
+    """The job's two spreads: between its ranks (persistent) and of each step."""
+
+    spread: Spread
+    step: Spread
+
+    def words(self) -> str:
+        return (f"{self.spread.sigma:.0%} {self.spread.kind} spread between ranks, "
+                f"{self.step.sigma:.0%} {self.step.kind} per step")
+
+
+def _job(scenario: Scenario, ranks: int, noise: Noise, seed: int, minutes: float = 6) -> SyntheticJob:
+    return SyntheticJob(scenario, ranks, minutes, 0.0, seed=seed, spread=noise.spread.sigma,
+                        spread_kind=noise.spread.kind, step_noise=noise.step)
+
+
+def highest_healthy_share(ranks: int, seed: int, noise: Noise) -> tuple[float, float, float]:
     """The share of every step and the seconds per step the job waits for its latest healthy rank,
-    as the recording rules compute them from the generator's end-of-step waits over the last 5m:
-    the median of the ranks' fractions of time waited without the lowest, minus the lowest."""
-    job = SyntheticJob(Scenario("healthy"), ranks, 6, 0.0, seed=seed, spread=spread)
+    and the rule's threshold, as the recording rules compute them over the last 5m."""
+    job = _job(Scenario("healthy"), ranks, noise, seed)
     window = int(round(300 / SCRAPE_INTERVAL_S))
     increase = {family.name: values[:, -1] - values[:, -1 - window]
                 for family in job.families if family.name in (Metric.STEP_WAIT, Metric.STEP_SECONDS, Metric.STEPS)
                 for _, values in job.values(family, 0, ranks)}
-    waited = increase[Metric.STEP_WAIT] / increase[Metric.STEP_SECONDS]
-    ordered = np.argsort(waited)
-    share = float(np.median(waited[ordered[1:]]) - waited[ordered[0]])
-    latest = ordered[0]
-    return share, share * float(increase[Metric.STEP_SECONDS][latest] / increase[Metric.STEPS][latest])
+    shares = shares_of(increase[Metric.STEP_WAIT] / increase[Metric.STEP_SECONDS])
+    latest = int(np.argmax(shares))
+    per_step = increase[Metric.STEP_SECONDS][latest] / increase[Metric.STEPS][latest]
+    return float(shares[latest]), float(shares[latest] * per_step), job_noise(shares).threshold
 
 
-def noise_floor(sizes: list[int], seeds: int, spread: float) -> None:
-    print(f"noise floor: the share of every step the job waits for its latest healthy rank, at {spread:.0%} "
-          f"between-rank spread ({seeds} seeds; TensorplayStragglerRank needs {SHARE_THRESHOLD:.0%} "
-          f"and {MIN_LATENESS_S * 1e3:g} ms)")
-    print(f"  {'ranks':>7} {'mean':>6} {'min':>6} {'max':>6}   {'ms per step (max)':>17}")
+def noise_floor(sizes: list[int], seeds: int, noise: Noise) -> None:
+    print(f"noise floor: the share of every step the job waits for its latest healthy rank, and the rule's "
+          f"threshold, at {noise.words()} ({seeds} seeds; a straggler also costs {MIN_LATENESS_S * 1e3:g} ms)")
+    print(f"  {'ranks':>7} {'mean':>6} {'min':>6} {'max':>6}   {'ms per step (max)':>17}   {'threshold (min-max)':>19}"
+          f"   {'jobs over it':>12}")
     for ranks in sizes:
-        figures = [highest_healthy_share(ranks, seed, spread) for seed in range(seeds)]
-        shares = [share for share, _ in figures]
+        figures = [highest_healthy_share(ranks, seed, noise) for seed in range(seeds)]
+        shares = [share for share, _, _ in figures]
+        thresholds = [threshold for _, _, threshold in figures]
+        over = sum(share >= threshold for share, _, threshold in figures)
         print(f"  {ranks:>7} {statistics.mean(shares):6.1%} {min(shares):6.1%} {max(shares):6.1%}   "
-              f"{1e3 * max(per_step for _, per_step in figures):17.1f}")
+              f"{1e3 * max(per_step for _, per_step, _ in figures):17.1f}   "
+              f"{min(thresholds):9.1%}-{max(thresholds):.1%}   {over:>6} of {seeds}", flush=True)
+
+
+# -- the rule in Python, over simulated jobs -------------------------------------------------------
+
+NAMED_BY_S = 900.0  # three 5-minute windows
+FIRED_BY_S = 1020.0  # ... and the alert's `for: 2m`
+FACTORS = np.round(np.arange(1.02, 3.001, 0.02), 2)
+
+
+def _straggler_job(ranks: int, factor: float, noise: Noise, seed: int) -> tuple[RuleRun, Timeline, int]:
+    """A job whose rank ``ranks // 3`` computes ``factor`` times a typical rank, run for 17 minutes."""
+    straggler = ranks // 3
+    scenario = Scenario(f"straggler-x{factor:g}", slow_ranks=(straggler,), slow_factor=factor)
+    means = _job(scenario, ranks, noise, seed).work_mean_s
+    timeline = simulate(means, noise.step, FIRED_BY_S + SCRAPE_INTERVAL_S, SCRAPE_INTERVAL_S,
+                        np.random.default_rng([seed, ranks, 23]))
+    return run_rule([timeline]), timeline, straggler
+
+
+def _named_in_time(run: RuleRun, rank: int) -> bool:
+    """Named by three windows at 15 minutes, and its alert fired by 17 (and no healthy rank's)."""
+    fired = {r for r, _, at in run.alerts if at <= FIRED_BY_S}
+    return run.first_named_s.get(rank, float("inf")) <= NAMED_BY_S and fired == {rank}
+
+
+def smallest_named(ranks: int, noise: Noise, seed: int) -> tuple[float, float, float]:
+    """The smallest factor of FACTORS named in time (bisection: named is monotone in the factor, seed
+    for seed), and at it how often the straggler was the latest to arrive and the most any healthy
+    rank was (fractions of the steps)."""
+    low, high = 0, len(FACTORS) - 1
+    if not _named_in_time(*_straggler_job(ranks, FACTORS[high], noise, seed)[::2]):
+        return float("inf"), float("nan"), float("nan")
+    while low < high:
+        middle = (low + high) // 2
+        run, _, rank = _straggler_job(ranks, FACTORS[middle], noise, seed)
+        if _named_in_time(run, rank):
+            high = middle
+        else:
+            low = middle + 1
+    _, timeline, rank = _straggler_job(ranks, FACTORS[low], noise, seed)
+    latest = timeline.latest.sum(axis=1) / timeline.steps.sum()
+    return float(FACTORS[low]), float(latest[rank]), float(np.delete(latest, rank).max())
+
+
+def smallest_table(sizes: list[int], noise: Noise, step_spreads: list[float], seeds: int) -> None:
+    print(f"smallest straggler named within 3 windows: its compute x f a typical rank's, named by the rule at "
+          f"15 min and its alert firing at 17, in every one of {seeds} jobs; {noise.spread.sigma:.0%} "
+          f"{noise.spread.kind} spread between ranks, {noise.step.kind} per-step noise. Beside it: the share of "
+          f"steps it arrived last at that f, against the most any healthy rank did")
+    print(f"  {'ranks':>7} " + " ".join(f"{f'{sigma:.0%} per step':>34}" for sigma in step_spreads))
+    for ranks in sizes:
+        cells = []
+        for sigma in step_spreads:
+            found = [smallest_named(ranks, Noise(noise.spread, Spread(sigma, noise.step.kind)), seed)
+                     for seed in range(seeds)]
+            factor, latest, healthy = max(found)
+            cells.append(f"x{factor:.2f} (latest {latest:5.1%}, healthy {healthy:5.1%})")
+        print(f"  {ranks:>7} " + " ".join(f"{cell:>34}" for cell in cells), flush=True)
+
+
+def healthy_day(ranks: int, noise: Noise, seed: int, hours: float) -> tuple[RuleRun, RuleRun]:
+    """A healthy job over ``hours``, simulated an hour at a time: the rule, and one window alone."""
+    means = _job(Scenario("healthy"), ranks, noise, seed).work_mean_s
+    rng = np.random.default_rng([seed, ranks, 29])
+    pieces = [simulate(means, noise.step, 3600.0, SCRAPE_INTERVAL_S, rng) for _ in range(int(round(hours)))]
+    return run_rule(pieces), run_rule(pieces, windows=1)
+
+
+def day_table(sizes: list[int], noise: Noise, seeds: int, hours: float) -> None:
+    print(f"a healthy job over {hours:g} h ({int(hours * 3600 / SCRAPE_INTERVAL_S):,} evaluations at "
+          f"{SCRAPE_INTERVAL_S:g} s), {noise.words()}; per job (seed): alerts fired by the rule / by one "
+          f"window alone, evaluations with a rank above the job's noise in its window, the highest share, "
+          f"the threshold's range")
+    for ranks in sizes:
+        for seed in range(seeds):
+            began = time.perf_counter()
+            rule, single = healthy_day(ranks, noise, seed, hours)
+            print(f"  {ranks:>7} ranks, seed {seed}: {rule.fired()} alerts ({single.fired()} with one window); "
+                  f"above the noise at {rule.outlier_evaluations} of {rule.evaluations} evaluations; highest share "
+                  f"{rule.highest_share:.1%}; threshold {rule.lowest_threshold:.1%}-{rule.highest_threshold:.1%} "
+                  f"({time.perf_counter() - began:.0f} s)", flush=True)
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -214,13 +336,36 @@ def main() -> None:
     parser.add_argument("--skip", choices=["alerts", "cost"], nargs="*", default=[])
     parser.add_argument("--noise-floor", type=int, nargs="*", default=None, metavar="RANKS",
                         help="print the noise floor for these job sizes (none given: 64 512 4096 10000) and exit")
-    parser.add_argument("--spread", type=float, default=0.05,
-                        help="between-rank lognormal spread for --noise-floor (default 0.05)")
+    parser.add_argument("--smallest", type=int, nargs="*", default=None, metavar="RANKS",
+                        help="print the smallest straggler named within 3 windows at these sizes (none given: "
+                             "64 512 4096 10000) for each --step-noise, and exit")
+    parser.add_argument("--day", type=int, nargs="*", default=None, metavar="RANKS",
+                        help="run a healthy job of these sizes (none given: 64 512 4096 10000) for --hours and "
+                             "print the alerts fired, and exit")
+    parser.add_argument("--hours", type=float, default=24.0, help="length of the --day job (default 24)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="jobs per size (default: 10 for --noise-floor, 3 for --smallest, 1 for --day)")
+    parser.add_argument("--spread", type=float, default=0.05, help="spread between ranks (default 0.05)")
+    parser.add_argument("--spread-kind", choices=KINDS, default="lognormal")
+    parser.add_argument("--step-noise", type=float, nargs="+", default=None,
+                        help="per-step spread (default 0.1; --smallest: 0.05 0.1 0.2)")
+    parser.add_argument("--step-noise-kind", choices=KINDS, default="lognormal")
     parser.add_argument("--workdir", type=Path, default=None, help="where the data goes (default: a temporary folder)")
     args = parser.parse_args()
 
+    sizes = [64, 512, 4096, 10000]
+    step_spreads = args.step_noise or ([0.05, 0.1, 0.2] if args.smallest is not None else [0.1])
+    noise = Noise(Spread(args.spread, args.spread_kind), Spread(step_spreads[0], args.step_noise_kind))
     if args.noise_floor is not None:
-        noise_floor(args.noise_floor or [64, 512, 4096, 10000], seeds=10, spread=args.spread)
+        noise_floor(args.noise_floor or sizes, args.seeds or 10, noise)
+        return
+    if args.smallest is not None:
+        smallest_table(args.smallest or sizes, noise, step_spreads, args.seeds or 3)
+        return
+    if args.day is not None:
+        for sigma in step_spreads:
+            day_table(args.day or sizes, Noise(noise.spread, Spread(sigma, args.step_noise_kind)), args.seeds or 1,
+                      args.hours)
         return
     hooks = tuple(args.hooks)
     for ranks in args.ranks:
@@ -233,7 +378,8 @@ def main() -> None:
                 scenarios = [s for s in standard_scenarios(ranks, hooks)
                              if args.scenarios is None or s.job in args.scenarios]
                 start = aligned_start(args.scenario_minutes)
-                jobs = [SyntheticJob(s, ranks, args.scenario_minutes, start) for s in scenarios]
+                jobs = [SyntheticJob(s, ranks, args.scenario_minutes, start, spread=noise.spread.sigma,
+                                     spread_kind=noise.spread.kind, step_noise=noise.step) for s in scenarios]
                 began = time.perf_counter()
                 with backfilled_prometheus(jobs, workdir / "alerts", args.ranks_per_file) as server:
                     at = evaluation_time(jobs)
@@ -246,7 +392,8 @@ def main() -> None:
                 shutil.rmtree(workdir / "alerts")
             if "cost" not in args.skip:
                 scenario = standard_scenarios(ranks, hooks)[1]
-                job = SyntheticJob(scenario, ranks, args.minutes, aligned_start(args.minutes))
+                job = SyntheticJob(scenario, ranks, args.minutes, aligned_start(args.minutes), spread=noise.spread.sigma,
+                                   spread_kind=noise.spread.kind, step_noise=noise.step)
                 began = time.perf_counter()
                 with backfilled_prometheus([job], workdir / "cost", args.ranks_per_file, compacted=True) as server:
                     print(f"\ncost: one job ({scenario.job}) of {ranks} ranks x {args.minutes:g} min, "

@@ -69,26 +69,43 @@ def build() -> dict:
                     (
                         "The latest rank's share of every step: how much of each step its peers wait for it at "
                         "the step's last collective (their end-of-step wait minus its own, docs/telemetry.md "
-                        '"Lateness"). TensorplayStragglerRank fires at 20 % (and ≥ 10 ms per step) held for 10 '
-                        "minutes. With 5 % spread between healthy ranks the latest of 4,096 already costs about "
-                        "10-12 %."
+                        '"Lateness"), beside the job\'s threshold: what its own noise explains, k times the spread '
+                        "of the other ranks' shares (at least 2 %; k grows with the number of ranks). "
+                        "TensorplayStragglerRank names a rank above the threshold (and costing >= 2 ms per step) "
+                        "in three disjoint 5-minute windows; critical from the red line, 20 %."
                     ),
-                    [Query('job:tensorplay_step_lateness:max_ratio5m{job=~"$job"}', "{{job}}")],
+                    [
+                        Query('job:tensorplay_step_lateness:max_ratio5m{job=~"$job"}', "highest share · {{job}}"),
+                        Query('job:tensorplay_step_lateness:threshold_ratio5m{job=~"$job"}', "threshold · {{job}}"),
+                    ],
                     Size(12, 8),
                     "percentunit",
                     red_from=0.2,
                 ),
                 stat(
-                    "Ranks costing ≥ 20 % of every step (5m)",
+                    "Ranks above the job's noise (5m) and stragglers",
                     (
-                        "Ranks whose peers wait for them at least 20 % of every step now. 1–8 with the alert "
-                        "firing: stragglers (8 together: often one slow node). Many: the job is split (half the "
-                        "job on slower hardware)."
+                        "Above the noise: ranks whose share passes the job's threshold now (and cost >= 2 ms per "
+                        "step). Stragglers: those that also did 5 and 10 minutes ago, what TensorplayStragglerRank "
+                        "fires on (at most 8 a job: often one slow node). Many above the noise but no straggler: "
+                        "bursts that come and go."
                     ),
-                    [Query(
-                        'sum by (job) (job_rank:tensorplay_step_lateness:ratio5m{job=~"$job"} >= bool 0.2)',
-                        "{{job}}",
-                    )],
+                    [
+                        Query(
+                            (
+                                'sum by (job) (job_rank:tensorplay_step_lateness:outlier_ratio5m{job=~"$job"} > bool 0) '
+                                'or on (job) 0 * job:tensorplay_step_lateness:threshold_ratio5m{job=~"$job"}'
+                            ),
+                            "above the noise · {{job}}",
+                        ),
+                        Query(
+                            (
+                                'sum by (job) (job_rank:tensorplay_step_lateness:straggler_ratio5m{job=~"$job"} > bool 0) '
+                                'or on (job) 0 * job:tensorplay_step_lateness:threshold_ratio5m{job=~"$job"}'
+                            ),
+                            "stragglers · {{job}}",
+                        ),
+                    ],
                     Size(6, 8),
                 ),
                 stat(
@@ -122,13 +139,17 @@ def build() -> dict:
                         "like its peers; negative: it waits for the others). The same ranks at every point of "
                         "the time range: those whose mean share over the whole range is the highest ($topk of "
                         "them, the Worst ranks shown variable). Click a line to open that rank in the per-rank "
-                        "row. The red line is the alert's 20 %. What to do: deploy/RUNBOOK.md, "
-                        "TensorplayStragglerRank."
+                        "row. The threshold is the job's noise (TensorplayStragglerRank names a rank above it in "
+                        "three disjoint 5-minute windows), the red line the critical 20 %. What to do: "
+                        "deploy/RUNBOOK.md, TensorplayStragglerRank."
                     ),
-                    [Query(
-                        worst_over_range('job_rank:tensorplay_step_lateness:ratio5m{job=~"$job"}'),
-                        "rank {{rank}} · {{job}}",
-                    )],
+                    [
+                        Query(
+                            worst_over_range('job_rank:tensorplay_step_lateness:ratio5m{job=~"$job"}'),
+                            "rank {{rank}} · {{job}}",
+                        ),
+                        Query('job:tensorplay_step_lateness:threshold_ratio5m{job=~"$job"}', "threshold · {{job}}"),
+                    ],
                     Size(12, 8),
                     "percentunit",
                     min_zero=False,

@@ -1,6 +1,9 @@
 """Read tensorplay's alert and recording rules from deploy/prometheus/rules/, for the tests.
 
-``alert_expr(name)`` is an alert's expression as Prometheus evaluates it. ``alert_expr(name,
+An alert may be written as several rules of one name, one per severity (TensorplayStragglerRank:
+``warning`` and ``critical``): :func:`alert_rules` lists every rule, :func:`alerts` the first of
+each name. ``alert_expr(name)`` is an alert's expression as Prometheus evaluates it (the rules of
+one name joined with ``or``: every series that fires it, at any severity). ``alert_expr(name,
 {120: 3})`` is the same expression with every number 120 in it replaced by 3: an end-to-end test
 of a short run checks an alert built for minutes (a 120 s hang threshold) on a hang of seconds,
 with the rule's own expression. A number that does not occur is an error, so a test written
@@ -15,7 +18,7 @@ from typing import Mapping
 
 import yaml
 
-__all__ = ["RULE_DIR", "RULE_FILES", "alert_expr", "alerts", "rules"]
+__all__ = ["RULE_DIR", "RULE_FILES", "alert_expr", "alert_rules", "alerts", "rules"]
 
 RULE_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules"
 RULE_FILES = tuple(sorted(RULE_DIR.glob("*.yml")))
@@ -36,9 +39,17 @@ def rules() -> list[dict]:
     ]
 
 
+def alert_rules(name: str | None = None) -> list[dict]:
+    """Every alerting rule (of alert ``name``), in file order."""
+    return [rule for rule in rules() if "alert" in rule and name in (None, rule["alert"])]
+
+
 def alerts() -> dict[str, dict]:
-    """Every alerting rule, by alert name."""
-    return {rule["alert"]: rule for rule in rules() if "alert" in rule}
+    """Every alert by name: its first rule (of an alert with one rule per severity, the least severe)."""
+    first: dict[str, dict] = {}
+    for rule in alert_rules():
+        first.setdefault(rule["alert"], rule)
+    return first
 
 
 def alert_expr(name: str, thresholds: Mapping[float, float] | None = None) -> str:
@@ -54,7 +65,10 @@ def alert_expr(name: str, thresholds: Mapping[float, float] | None = None) -> st
         # the hang alerts wait for 120 s; a test hang lasts a few seconds
         server.query(alert_expr("TensorplayRankStalled", {120: 3}))
     """
-    expr = alerts()[name]["expr"]
+    exprs = [rule["expr"].strip() for rule in alert_rules(name)]
+    if not exprs:
+        raise KeyError(name)
+    expr = exprs[0] if len(exprs) == 1 else " or ".join(f"({e})" for e in exprs)
     thresholds = dict(thresholds or {})
     found = set()
 

@@ -71,6 +71,9 @@ CONTRACT_METRICS: dict[str, str] = {
     "tensorplay_step_busy_seconds_total": "counter",
     "tensorplay_step_exposed_communication_seconds_total": "counter",
     "tensorplay_step_communication_seconds_total": "counter",
+    "tensorplay_compression_candidate_error_ratio": "gauge",
+    "tensorplay_compression_candidate_wire_ratio": "gauge",
+    "tensorplay_compression_candidate_nonfinite": "gauge",
 }
 """Every metric tensorplay exports, as the contract names it, with its type. Each carries `rank`."""
 

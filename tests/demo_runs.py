@@ -28,7 +28,7 @@ from tensorplay.demo.rundir import RunDir
 from .ranks import free_base_port
 from .waiting import wait_until
 
-__all__ = ["Demo", "DemoProcess", "start_demo", "run_demo", "scrape", "has_sample", "two_ranks",
+__all__ = ["STRAGGLER_DELAY_MS", "Demo", "DemoProcess", "start_demo", "run_demo", "scrape", "has_sample", "two_ranks",
            "two_ranks_straggler", "three_ranks_uneven_straggler", "three_ranks_uneven", "two_ranks_never_synced"]
 
 LINGER_S = 1.0  # the ranks keep serving metrics this long after training: time for a last scrape
@@ -186,18 +186,26 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Demo:
                     "--no-sync-bug", "backward-only")
 
 
+STRAGGLER_DELAY_MS = "100"
+"""The fixtures' straggler sleeps this long per step: a job of 2 or 3 ranks names a straggler from 28-29 %
+of every step (tensorplay.analysis.straggler.SMALL_JOB_SPREAD), and with 2-3 ranks sharing 2 busy cores a
+step can take 100 ms, a 40 ms sleep (the demo's default) then only 30 % of it."""
+
+
 @pytest.fixture(scope="session")
 def two_ranks_straggler(tmp_path_factory: pytest.TempPathFactory) -> Demo:
-    """2 ranks, 10 steps, allreduce_hook, rank 1 a straggler."""
+    """2 ranks, 10 steps, allreduce_hook, rank 1 a straggler sleeping 100 ms per step."""
     return run_demo(tmp_path_factory.mktemp("two-ranks-straggler"), 2, "--steps", "10", "--straggler-rank", "1",
-                    "--hook", "allreduce_hook")
+                    "--straggler-delay-ms", STRAGGLER_DELAY_MS, "--hook", "allreduce_hook")
 
 
 @pytest.fixture(scope="session")
 def three_ranks_uneven_straggler(tmp_path_factory: pytest.TempPathFactory) -> Demo:
-    """3 ranks, uneven inputs (8, 10, 12 batches), rank 2 a straggler."""
-    return run_demo(tmp_path_factory.mktemp("three-ranks-uneven-straggler"), 3, "--steps", "8", "--uneven",
-                    "--straggler-rank", "2")
+    """3 ranks, uneven inputs (16, 20, 24 batches), rank 2 a straggler sleeping 100 ms per step. 16: the
+    verdict's three blocks of the 15 steps every rank trained after the first hold 5 steps each (of 7,
+    blocks of 2 steps let one odd step decide)."""
+    return run_demo(tmp_path_factory.mktemp("three-ranks-uneven-straggler"), 3, "--steps", "16", "--uneven",
+                    "--straggler-rank", "2", "--straggler-delay-ms", STRAGGLER_DELAY_MS)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from tensorplay import traced
 from tensorplay.telemetry import TensorplayMetrics, enable_metrics
 from tensorplay.telemetry.names import HOOK_SPAN_NAME
 
-__all__ = ["CountingExporter", "MemorySink", "memory_sink", "sink"]
+__all__ = ["CountingExporter", "MemorySink", "hook_spans", "memory_sink", "sink"]
 
 
 @dataclass
@@ -74,11 +74,16 @@ def sink() -> MemorySink:
 
 
 class CountingExporter(SpanExporter):
-    """Keeps only the count of the spans exported: a long run's spans take no memory."""
+    """Keeps only the count of the hook calls' spans exported (not the advice's): a long run's spans take no memory."""
 
     def __init__(self) -> None:
         self.exported = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.exported += len(spans)
+        self.exported += hook_spans(spans)
         return SpanExportResult.SUCCESS
+
+
+def hook_spans(spans: Sequence[ReadableSpan]) -> int:
+    """How many of ``spans`` are hook calls' spans (one per traced call)."""
+    return sum(span.name == HOOK_SPAN_NAME for span in spans)

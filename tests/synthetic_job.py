@@ -9,8 +9,8 @@ serve and nothing the code serves is left out.
 
 :class:`SyntheticJob` fills those series for ``ranks`` ranks at a 15 s scrape interval:
 
-* compute per step: the job's typical step (0.2 s) times a per-rank factor drawn from a lognormal
-  of 5 % spread (``spread``), times each step's own lognormal noise; a rank of
+* compute per step: the job's typical step (0.2 s) times a per-rank factor of 5 % spread
+  (``spread``; lognormal, or heavy-tailed with ``spread_kind="pareto"``: its hardware); a rank of
   ``Scenario.slow_ranks`` computes ``slow_factor`` times the typical step (its draw replaced, so a
   x1.6 straggler is x1.6 of the job's typical rank, not of its own draw); ``uniform_factor``
   slows every rank alike. Every rank runs the same number of steps (synchronous DDP: the slowest
@@ -21,13 +21,15 @@ serve and nothing the code serves is left out.
 * allreduce latency: a fixed collective time per bucket, plus, in the first bucket of a step, the
   wait for the slowest rank (a straggler waits least);
 * the end-of-step wait (``tensorplay_step_wait_seconds_total``, ``tensorplay_step_seconds_total``,
-  ``tensorplay_steps_total``): per step, the collective plus the slowest rank's work minus the
-  rank's own, with the rank's own noise of the interval, and the job's step period; a rank counts
-  none of them while it shadows in the Join, and a rank with several hooks splits the wait
-  between them (one DDP model each, every one a whole iteration long);
+  ``tensorplay_steps_total``) and the steps themselves: run step by step by tests/step_timing.py
+  -- every step each rank's work times the step's own noise (``step_noise``: 10 % lognormal by
+  default), the step as long as its slowest rank's work plus the collectives, each rank's wait the
+  collective plus how much longer the slowest worked; a rank counts none of them while it
+  shadows in the Join, and a rank with several hooks splits the wait between them (one DDP model
+  each, every one a whole iteration long);
 * the step timeline over the same counted steps: exposed communication is the end-of-step wait
   (what follows the last hook call), communication adds the other buckets' collectives, which the
-  backward hides, and busy time is the rest of the step (busy + exposed = the step period);
+  backward hides, and busy time is the rest of the step (busy + exposed = the step);
 * bytes, compression error and wire bytes from the hook's name (fp16/bf16 halve the bytes);
 * one Join halfway through the job: on a healthy job every rank shadows 0-2 iterations; with
   ``uneven_join`` 90 % of the ranks shadow 10 or more (each a different count); the Join series
@@ -58,6 +60,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from tensorplay.telemetry.metrics import ReplicaFingerprints, TensorplayMetrics
 from tensorplay.telemetry.names import Metric
 
+from .step_timing import BUCKETS_PER_STEP, COLLECTIVE_S, Spread, Timeline, simulate
+
 __all__ = [
     "SCRAPE_INTERVAL_S",
     "RANKS_PER_NODE",
@@ -76,10 +80,8 @@ RANKS_PER_NODE = 8
 
 _STEP_S = 0.2  # the job's typical compute per step
 _BACKWARD_S = 0.1  # backward between the first and the last bucket, every rank alike
-_STEP_NOISE = 0.1  # lognormal sigma of one step's compute around its rank's mean
-_BUCKETS_PER_STEP = 4  # gradient buckets (hook calls) per step and hook
+_STEP_NOISE = 0.1  # lognormal sigma of one step's work around its rank's mean
 _BUCKET_BYTES = 25 * 2**20
-_COLLECTIVE_S = 0.01  # one bucket's collective, no waiting
 _LATENCY_NOISE = 0.3
 _ERROR_NOISE = 0.3
 _UNEVEN_SHARE = 0.9  # ranks that run out of inputs early in an uneven Join
@@ -229,6 +231,8 @@ class SyntheticJob:
     start_unix: float
     seed: int = 0
     spread: float = 0.05
+    spread_kind: str = "lognormal"
+    step_noise: Spread = Spread(_STEP_NOISE)
     families: list[Family] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -256,7 +260,7 @@ class SyntheticJob:
     def compute_mean_s(self) -> np.ndarray:
         """Each rank's mean compute per step (seconds)."""
         scenario = self.scenario
-        factor = np.exp(self._rng.normal(0.0, self.spread, self.ranks))
+        factor = Spread(self.spread, self.spread_kind).draw(self._rng, (self.ranks,)).astype(float)
         factor[list(scenario.slow_ranks)] = scenario.slow_factor
         return _STEP_S * scenario.uniform_factor * factor
 
@@ -268,41 +272,59 @@ class SyntheticJob:
         return self.compute_mean_s + backward
 
     @cached_property
+    def timeline(self) -> Timeline:
+        """The job's steps, one by one, summed per scrape interval (tests/step_timing.py)."""
+        rng = np.random.default_rng([self.seed, self.ranks, 17, *self.scenario.job.encode()])
+        return simulate(self.work_mean_s, self.step_noise, self.end_unix - self.start_unix, SCRAPE_INTERVAL_S, rng)
+
+    @cached_property
     def step_period_s(self) -> float:
-        """Seconds per step of the whole job: its slowest rank's work plus the collectives."""
-        return float(self.work_mean_s.max()) + _BUCKETS_PER_STEP * _COLLECTIVE_S
+        """Mean seconds per step of the whole job: its slowest rank's work plus the collectives."""
+        return float(self.timeline.seconds.sum() / max(self.timeline.steps.sum(), 1))
 
     @cached_property
     def steps(self) -> np.ndarray:
         """Steps done by each scrape (every rank alike)."""
-        return np.floor((self.times - self.start_unix) / self.step_period_s).astype(np.int64)
+        return np.concatenate([[0], np.cumsum(self.timeline.steps)]).astype(np.int64)
+
+    def _per_scrape(self, per_interval: np.ndarray) -> np.ndarray:
+        """[rank, scrape] what grew between each scrape and the one before (0 at the first), less
+        the intervals in which the rank shadowed in the Join."""
+        grown = np.concatenate([np.zeros((per_interval.shape[0], 1)), per_interval], axis=1)
+        return grown * ~self._shadowing
 
     @cached_property
     def _compute_sum_s(self) -> np.ndarray:
         """Each rank's cumulative compute (ranks x scrapes): its mean, with the noise of each
         interval's steps (the mean of n lognormal steps has a spread of sigma / sqrt(n))."""
         new_steps = np.diff(self.steps, prepend=0)
-        noise = self._rng.normal(0.0, 1.0, (self.ranks, len(self.times))) * _STEP_NOISE / np.sqrt(np.maximum(new_steps, 1))
+        noise = self._rng.normal(0.0, 1.0, (self.ranks, len(self.times))) * self.step_noise.sigma / np.sqrt(np.maximum(new_steps, 1))
         return np.cumsum(new_steps * self.compute_mean_s[:, None] * np.exp(noise), axis=1)
+
+    @cached_property
+    def _shadowing(self) -> np.ndarray:
+        """[rank, scrape] whether the rank shadowed in the Join in the interval up to that scrape (the
+        iterations before the Join moment, from the start at most)."""
+        shadow_from = self._join_unix - self.shadow_iterations * self.step_period_s
+        return (self.times[None, :] > shadow_from[:, None]) & (self.times[None, :] <= self._join_unix)
 
     @cached_property
     def _counted_steps(self) -> np.ndarray:
         """Steps each rank counted in its end-of-step wait by each scrape (ranks x scrapes): all but
-        those it shadowed in the Join (the iterations before the Join moment, from the start at most)."""
-        shadow_from = self._join_unix - self.shadow_iterations * self.step_period_s
-        shadowing = (self.times[None, :] > shadow_from[:, None]) & (self.times[None, :] <= self._join_unix)
-        new_steps = np.diff(self.steps, prepend=0)[None, :] * ~shadowing
-        return np.cumsum(new_steps, axis=1)
+        those it shadowed in the Join."""
+        return np.cumsum(self._per_scrape(np.broadcast_to(self.timeline.steps, (self.ranks, len(self.timeline.steps)))),
+                         axis=1)
 
     @cached_property
     def _end_wait_s(self) -> np.ndarray:
-        """Each rank's cumulative end-of-step wait (ranks x scrapes): per counted step the
-        collective plus how long the slowest rank's work outlasts its own, with its own noise."""
-        new_steps = np.diff(self._counted_steps, axis=1, prepend=0)
-        wait = _COLLECTIVE_S + self.work_mean_s.max() - self.work_mean_s
-        rng = np.random.default_rng([self.seed, self.ranks, 13, *self.scenario.job.encode()])
-        noise = rng.normal(0.0, 1.0, new_steps.shape) * _STEP_NOISE * _STEP_S / np.sqrt(np.maximum(new_steps, 1))
-        return np.cumsum(new_steps * np.maximum(wait[:, None] + noise, 0.0), axis=1)
+        """Each rank's cumulative end-of-step wait (ranks x scrapes), over its counted steps."""
+        return np.cumsum(self._per_scrape(self.timeline.waits), axis=1)
+
+    @cached_property
+    def _step_seconds_s(self) -> np.ndarray:
+        """Each rank's cumulative stepping time (ranks x scrapes), over its counted steps."""
+        seconds = np.broadcast_to(self.timeline.seconds, (self.ranks, len(self.timeline.seconds)))
+        return np.cumsum(self._per_scrape(seconds), axis=1)
 
     @cached_property
     def join_index(self) -> int:
@@ -354,11 +376,11 @@ class SyntheticJob:
     def _step_compute(self, series: Series, ranks: slice) -> np.ndarray:
         if series.name.endswith("_sum"):
             return self._compute_sum_s[ranks]
-        return self._histogram(series, self.steps.astype(float), self.compute_mean_s[ranks], _STEP_NOISE)
+        return self._histogram(series, self.steps.astype(float), self.compute_mean_s[ranks], self.step_noise.sigma)
 
     def _allreduce_latency(self, series: Series, ranks: slice) -> np.ndarray:
-        wait = (self.work_mean_s.max() - self.work_mean_s[ranks]) / _BUCKETS_PER_STEP
-        return self._histogram(series, self._bucket_calls, _COLLECTIVE_S + wait, _LATENCY_NOISE)
+        wait = (self.work_mean_s.max() - self.work_mean_s[ranks]) / BUCKETS_PER_STEP
+        return self._histogram(series, self._bucket_calls, COLLECTIVE_S + wait, _LATENCY_NOISE)
 
     def _compression_error(self, series: Series, ranks: slice) -> np.ndarray:
         error = _compression_error(series.label("hook"))
@@ -368,7 +390,7 @@ class SyntheticJob:
 
     @cached_property
     def _bucket_calls(self) -> np.ndarray:
-        return (self.steps * _BUCKETS_PER_STEP).astype(float)
+        return (self.steps * BUCKETS_PER_STEP).astype(float)
 
     def _bucket_bytes(self, series: Series, ranks: slice) -> np.ndarray:
         return np.broadcast_to(self._bucket_calls * _BUCKET_BYTES, (ranks.stop - ranks.start, len(self.times)))
@@ -386,7 +408,7 @@ class SyntheticJob:
         return self._end_wait_s[ranks] / len(self.scenario.hooks)
 
     def _step_seconds(self, series: Series, ranks: slice) -> np.ndarray:
-        return self._counted_steps[ranks] * self.step_period_s
+        return self._step_seconds_s[ranks]
 
     def _steps(self, series: Series, ranks: slice) -> np.ndarray:
         return self._counted_steps[ranks].astype(float)
@@ -430,10 +452,10 @@ class SyntheticJob:
         return values
 
     def _step_busy(self, series: Series, ranks: slice) -> np.ndarray:
-        return (self._counted_steps[ranks] * self.step_period_s - self._end_wait_s[ranks]) / len(self.scenario.hooks)
+        return (self._step_seconds_s[ranks] - self._end_wait_s[ranks]) / len(self.scenario.hooks)
 
     def _step_communication(self, series: Series, ranks: slice) -> np.ndarray:
-        hidden = self._counted_steps[ranks] * (_BUCKETS_PER_STEP - 1) * _COLLECTIVE_S
+        hidden = self._counted_steps[ranks] * (BUCKETS_PER_STEP - 1) * COLLECTIVE_S
         return (hidden + self._end_wait_s[ranks]) / len(self.scenario.hooks)
 
     def _zeros(self, series: Series, ranks: slice) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Bad settings get a clear message naming the setting and its value, and disturb nothing else.
 
-``TENSORPLAY_ERROR_EVERY`` is read when a hook is traced: a value that is no number of steps
-stops there with a ValueError (empty counts as unset, as OpenTelemetry reads its variables).
+``TENSORPLAY_ERROR_EVERY`` and ``TENSORPLAY_ADVISE_EVERY`` are read when a hook is traced: a value
+that is no number of steps stops there with a ValueError (empty counts as unset, as OpenTelemetry
+reads its variables).
 A metrics port that is no port warns, is counted, and metrics go on being collected, unserved.
 """
 
@@ -13,24 +14,39 @@ from prometheus_client import CollectorRegistry
 
 from tensorplay import traced
 from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks
-from tensorplay.telemetry import DEFAULT_ERROR_EVERY, active_metrics, disable_metrics, enable_metrics, served_address
+from tensorplay.telemetry import (
+    DEFAULT_ADVISE_EVERY,
+    DEFAULT_ERROR_EVERY,
+    active_metrics,
+    disable_metrics,
+    enable_metrics,
+    served_address,
+)
 from tensorplay.telemetry import metrics as metrics_module
 
+SAMPLINGS = {  # variable -> (its default, what the traced hook holds of it)
+    "TENSORPLAY_ERROR_EVERY": (DEFAULT_ERROR_EVERY, lambda hook: hook._error_every),
+    "TENSORPLAY_ADVISE_EVERY": (DEFAULT_ADVISE_EVERY, lambda hook: hook._advisor.every),
+}
 
+
+@pytest.mark.parametrize("variable", SAMPLINGS)
 @pytest.mark.parametrize("value", ["abc", "2.5", "-3", "1e3"])
-def test_a_bad_error_every_names_the_variable_and_the_value(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    monkeypatch.setenv("TENSORPLAY_ERROR_EVERY", value)
+def test_a_bad_sampling_names_the_variable_and_the_value(monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> None:
+    monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError) as raised:
         traced(default_hooks.allreduce_hook)
     message = str(raised.value)
-    assert f"TENSORPLAY_ERROR_EVERY={value!r}" in message
-    assert "whole number >= 0" in message and "unset or empty for the default, 25" in message
+    assert f"{variable}={value!r}" in message
+    assert "whole number >= 0" in message and f"unset or empty for the default, {SAMPLINGS[variable][0]}" in message
 
 
-@pytest.mark.parametrize("value, expected", [("", DEFAULT_ERROR_EVERY), ("  ", DEFAULT_ERROR_EVERY), (" 4 ", 4), ("0", 0)])
-def test_an_empty_error_every_is_unset(monkeypatch: pytest.MonkeyPatch, value: str, expected: int) -> None:
-    monkeypatch.setenv("TENSORPLAY_ERROR_EVERY", value)
-    assert traced(default_hooks.allreduce_hook)._error_every == expected  # type: ignore[attr-defined]
+@pytest.mark.parametrize("variable", SAMPLINGS)
+@pytest.mark.parametrize("value, expected", [("", None), ("  ", None), (" 4 ", 4), ("0", 0)])
+def test_an_empty_sampling_is_unset(monkeypatch: pytest.MonkeyPatch, variable: str, value: str, expected: int | None) -> None:
+    monkeypatch.setenv(variable, value)
+    default, held = SAMPLINGS[variable]
+    assert held(traced(default_hooks.allreduce_hook)) == (default if expected is None else expected)
 
 
 def test_error_every_must_be_a_whole_number() -> None:

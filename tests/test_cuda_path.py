@@ -41,7 +41,9 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     powerSGD_hook,
 )
 from tensorplay.telemetry import flush
-from tensorplay.telemetry.names import HOOK_SPAN_NAME, Attr
+from tensorplay.telemetry.advisor import pooled_error
+from tensorplay.telemetry.candidate_figures import bucket_sums
+from tensorplay.telemetry.names import ADVICE_SPAN_NAME, HOOK_SPAN_NAME, Attr, Candidate
 from tensorplay.telemetry.finish import finisher
 
 from . import parity_cases, traced_cases, training
@@ -60,7 +62,7 @@ SLEEP_CYCLES = 20_000_000
 SLEEP_MS_AT_LEAST = 5.0
 EVENT_RESOLUTION_MS = 1e-3  # cudaEventElapsedTime resolves about half a microsecond
 SOAK_STEPS = 1200
-TELEMETRY_THREAD_PREFIX = "tensorplay-"  # tensorplay-finisher, the one thread of tensorplay's own
+TELEMETRY_THREAD_PREFIX = "tensorplay-"  # tensorplay-finisher and tensorplay-advisor, tensorplay's own threads
 
 
 @contextlib.contextmanager
@@ -486,6 +488,26 @@ def test_a_hook_that_raises_after_launching_leaves_no_collective_in_flight_on_cu
     assert sink.metrics.collectives_in_flight.in_flight("0") == 0
     (span,) = sink.finished()
     assert span.status.status_code.name == "ERROR" and "failed after launching" in span.status.description
+
+
+def test_the_advice_on_cuda_never_synchronizes_the_training_thread_and_is_its_buckets_arithmetic(nccl: None) -> None:
+    sink = memory_sink()
+    copies = traced_cases.BucketCopies(sink.traced(default_hooks.allreduce_hook, advise_every=1))
+    syncs = _syncs_in_backward(copies.hook)
+    assert syncs["training"] == 0, dict(syncs)
+    advice = sink.spans(ADVICE_SPAN_NAME)
+    assert advice, "nothing was advised: the count proves nothing"
+    for span in advice:
+        pooled = {name: [0.0, 0.0, 0] for name in Candidate.ALL}
+        for key, copy in copies.copies.items():
+            if key[0] == span[Attr.STEP]:
+                for name, sums in bucket_sums(copy.clone(), copies.layouts[key], 1).items():
+                    pooled[name][0] += float(sums.error_sq)
+                    pooled[name][1] += float(sums.reference_sq)
+                    pooled[name][2] += int(sums.nonfinite)
+        for name, (error_sq, reference_sq, nonfinite) in pooled.items():
+            assert span[Attr.ADVICE_ERROR_RATIO.format(candidate=name)] == pytest.approx(pooled_error(error_sq, reference_sq), rel=1e-5)
+            assert span[Attr.ADVICE_NONFINITE.format(candidate=name)] == nonfinite == 0
 
 
 # -- memory over a long run -----------------------------------------------------------------------

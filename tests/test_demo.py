@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorplay.analysis.straggler import SHARE_THRESHOLD
+from tensorplay.analysis.straggler import CRITICAL_SHARE
 from tensorplay.demo.rundir import RunDir
 
 from .demo_runs import Demo, has_sample, scrape, start_demo
@@ -74,19 +74,19 @@ def test_two_ranks_name_the_injected_straggler(two_ranks_straggler: Demo) -> Non
     demo = two_ranks_straggler
     _assert_ran(demo, 2)
     assert demo.verdict().startswith("straggler: rank 1 costs the job "), demo.stdout
-    assert "injected: rank 1 sleeps 40 ms per step (found)" in demo.stdout and "injected: none" not in demo.stdout
-    # Its peers wait for its 40 ms sleep at the end of every step: that is what it costs the job.
+    assert "injected: rank 1 sleeps 100 ms per step (found)" in demo.stdout and "injected: none" not in demo.stdout
+    # Its peers wait for its 100 ms sleep at the end of every step: that is what it costs the job.
     shares = [int(row["costs the job"].removesuffix(" %")) for row in demo.table()]
-    lateness_ms = float(re.search(r"every step \((\d+\.\d) ms:", demo.verdict()).group(1))
-    assert shares[0] == 0 and shares[1] >= 100 * SHARE_THRESHOLD and lateness_ms >= 0.8 * 40, demo.stdout
+    lateness_ms = float(re.search(r"every step \((\d+\.\d) ms, critical\)", demo.verdict()).group(1))
+    assert shares[0] == 0 and shares[1] >= 100 * CRITICAL_SHARE and lateness_ms >= 0.8 * 100, demo.stdout
     assert all(row["rel. error"] == "-" for row in demo.table())  # allreduce_hook does not compress
 
 
 def test_three_ranks_uneven_with_straggler(three_ranks_uneven_straggler: Demo) -> None:
     demo = three_ranks_uneven_straggler
     _assert_ran(demo, 3)
-    assert [row["steps"] for row in demo.table()] == ["8", "10", "12"]
-    assert [row["shadowed"] for row in demo.table()] == ["4", "2", "0"]
+    assert [row["steps"] for row in demo.table()] == ["16", "20", "24"]
+    assert [row["shadowed"] for row in demo.table()] == ["8", "4", "0"]
     assert demo.verdict().startswith("straggler: rank 2 "), demo.stdout
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .alert_rules import RULE_FILES, alert_expr, alerts, rules
+from .alert_rules import RULE_FILES, alert_expr, alert_rules, alerts, rules
 from .dashboard_queries import known_series, selectors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,11 +72,11 @@ def test_promtool_test_rules():
 
 
 def test_contract_alerts_are_defined_as_the_conventions_ask():
-    defined = alerts()
-    assert set(defined) == set(ALERT_LABELS)
+    assert set(alerts()) == set(ALERT_LABELS)
     runbook = (DEPLOY / "RUNBOOK.md").read_text()
     anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-") for h in re.findall(r"^#+ (.+)$", runbook, re.M)}
-    for name, rule in defined.items():
+    for rule in alert_rules():
+        name = rule["alert"]
         assert re.fullmatch(r"\d+[smh]", rule["for"]), name
         assert rule["labels"]["severity"] in ("critical", "warning", "info"), name
         annotations = rule["annotations"]
@@ -90,19 +90,36 @@ def test_contract_alerts_are_defined_as_the_conventions_ask():
         assert url.split("#")[1] in anchors, f"{name}: no section in deploy/RUNBOOK.md"
 
 
+def test_an_alert_of_several_rules_has_one_per_severity():
+    """An alert written as several rules (one per severity) differs between them only in its
+    expression and severity: the same `for:`, annotations and runbook."""
+    for name in alerts():
+        written = alert_rules(name)
+        severities = [rule["labels"]["severity"] for rule in written]
+        assert len(set(severities)) == len(written), (name, severities)
+        shared = [{k: v for k, v in rule.items() if k not in ("expr", "labels")} for rule in written]
+        assert all(one == shared[0] for one in shared), name
+
+
 def test_every_alert_is_unit_tested_before_and_after_it_fires():
-    seen: dict[str, set[str]] = {name: set() for name in ALERT_LABELS}
+    """... at each of its severities."""
+    seen: dict[tuple[str, str], set[str]] = {
+        (rule["alert"], rule["labels"]["severity"]): set() for rule in alert_rules()}
+    before: set[str] = set()
     for path in RULE_TESTS:
         for case in _load(path)["tests"]:
             for check in case.get("alert_rule_test", []):
                 name = check["alertname"]
                 fired = check.get("exp_alerts") or []
-                seen[name].add("after" if fired else "before")
+                if not fired:
+                    before.add(name)
                 for alert in fired:
                     labels = alert["exp_labels"]
                     assert set(labels) == ALERT_LABELS[name] | {"job", "severity"}, (path.name, name, labels)
                     assert set(alert["exp_annotations"]) == {"summary", "description", "runbook_url"}, (path.name, name)
-    assert all(cases == {"before", "after"} for cases in seen.values()), seen
+                    seen[(name, labels["severity"])].add("after")
+    for (name, severity), cases in seen.items():
+        assert name in before and cases == {"after"}, (name, severity, cases)
 
 
 def test_rules_read_only_known_series():
@@ -114,7 +131,8 @@ def test_rules_read_only_known_series():
 
 def test_thresholds_and_windows_are_documented():
     readme = (DEPLOY / "README.md").read_text()
-    for name, rule in alerts().items():
+    for rule in alert_rules():
+        name = rule["alert"]
         assert name in readme, f"{name} is not described in deploy/README.md"
         assert f"`for: {rule['for']}`" in readme, f"{name}'s for: {rule['for']} is not in deploy/README.md"
 

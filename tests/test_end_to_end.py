@@ -15,9 +15,14 @@ scrape targets, so ``at`` must fall inside the linger; the tests poll for it wit
 timeout instead of sleeping, and then query with ``time=at`` so that how late the test gets
 there does not matter.
 
+The straggler alert fires once three disjoint 5-minute windows agree, which a run of seconds
+never has: these runs check the rule's decision on the one window they have
+(``job_rank:tensorplay_step_lateness:outlier_ratio5m``, the alert's expression on the current
+window: ``_window_alerts``) and that the alert itself stays silent on so young a job.
+
 Timing margins (measured here: a rank's own work per step is ~10-20 ms on this machine's CPU,
 2 or 3 ranks sharing 2 cores): the sleeping straggler sleeps 100 ms per step, so its peers wait
-for it most of every step (a share of ~0.8 against the alert's 20 % and 10 ms); the batch
+for it most of every step (a share of ~0.8 against a 2-rank job's threshold of 28 %); the batch
 straggler trains 16 times its peer's batch, extra forward and backward work that costs the job
 over half of every step.
 """
@@ -38,9 +43,9 @@ from typing import Iterator
 
 import pytest
 
-from tensorplay.analysis.straggler import MIN_LATENESS_S, SHARE_THRESHOLD
+from tensorplay.analysis.straggler import CRITICAL_SHARE, MIN_LATENESS_S
 
-from .alert_rules import alert_expr
+from .alert_rules import alert_expr, alert_rules
 from .dashboard_queries import dashboard_paths, dashboard_queries, selectors
 from .demo_runs import DemoProcess, start_demo
 from .ranks import free_base_port
@@ -208,6 +213,20 @@ def _lateness(run: ScrapedRun) -> tuple[dict[str, float], dict[str, float]]:
             run.values(f'job_rank:tensorplay_step_lateness_seconds:mean5m{{job="{run.job}"}}'))
 
 
+def _window_alerts(run: ScrapedRun) -> dict[str, tuple[float, set[str]]]:
+    """``{rank: (share, severities)}``: what TensorplayStragglerRank's rules (one per severity) return
+    on the current window alone -- their expressions with the straggler series (three windows
+    agree) replaced by the window's decision. The alert itself needs a job older than 10 minutes."""
+    named: dict[str, tuple[float, set[str]]] = {}
+    for rule in alert_rules("TensorplayStragglerRank"):
+        window = rule["expr"].replace("job_rank:tensorplay_step_lateness:straggler_ratio5m",
+                                      f'job_rank:tensorplay_step_lateness:outlier_ratio5m{{job="{run.job}"}}')
+        assert window != rule["expr"]
+        for rank, share in run.values(window).items():
+            named.setdefault(rank, (share, set()))[1].add(rule["labels"]["severity"])
+    return named
+
+
 def _spans(run: ScrapedRun) -> dict[str, dict]:
     """Every span the demo exported to its run directory, by trace id (hex, no 0x)."""
     spans = {}
@@ -223,9 +242,10 @@ def _spans(run: ScrapedRun) -> dict[str, dict]:
 
 def test_straggler_run_names_the_straggler_and_every_panel_answers(prometheus, tmp_path: Path) -> None:
     """2 ranks, rank 1 sleeps 100 ms a step, uneven inputs (36 / 45 batches: rank 0 shadows 9
-    iterations, one below TensorplayUnevenInputs' threshold): the straggler expression names rank 1
-    and only rank 1, the uneven-inputs expression nobody; the latency histogram's exemplars are the
-    demo's own spans; every dashboard query answers."""
+    iterations, one below TensorplayUnevenInputs' threshold): the straggler rule names rank 1 and
+    only rank 1 in the run's window, critical (the alert waits for three windows), the
+    uneven-inputs expression nobody; the latency histogram's exemplars are the demo's own spans;
+    every dashboard query answers."""
     job = "e2e-straggler"
     run = run_scraped_demo(prometheus, tmp_path, job, 2, "--steps", "36", "--uneven", "--straggler-rank", "1",
                            "--straggler-delay-ms", repr(STRAGGLER_DELAY_MS))
@@ -234,9 +254,10 @@ def test_straggler_run_names_the_straggler_and_every_panel_answers(prometheus, t
         print(f"\nstraggler run: share of every step per rank {shares}, seconds per step {lateness}")
         assert set(shares) == {"0", "1"}, shares  # both ranks have a share: rank 0's silence is a verdict
 
-        named = run.values(alert_expr("TensorplayStragglerRank"))
+        named = _window_alerts(run)
         assert set(named) == {"1"}, (named, shares, lateness)
-        assert named["1"] == pytest.approx(shares["1"])  # the alert's value is the share
+        assert named["1"] == (pytest.approx(shares["1"]), {"warning", "critical"})  # the value is the share
+        assert run.values(alert_expr("TensorplayStragglerRank")) == {}  # one window of three
         assert lateness["1"] >= STRAGGLER_DELAY_MS / 1e3 * 0.8, lateness  # its peers wait for its sleep
 
         shadowed = run.values(f'tensorplay_join_shadow_iterations{{job="{job}"}}')
@@ -279,8 +300,9 @@ def test_straggler_run_names_the_straggler_and_every_panel_answers(prometheus, t
 def test_uneven_run_without_straggler(prometheus, tmp_path: Path) -> None:
     """3 ranks, no straggler, uniformly slow (every rank 4x the default batch), uneven inputs
     (160 / 200 / 240 batches: ranks 0 and 1 shadow 80 and 40 iterations): the straggler
-    expression returns nothing although every rank has a share (shadowing counts no wait, and the
-    same extra work on every rank makes no rank late); TensorplayUnevenInputs' expression fires
+    rule names nobody although every rank has a share (shadowing counts no wait, and the same
+    extra work on every rank makes no rank late: none is above the job's noise in the run's
+    window); TensorplayUnevenInputs' expression fires
     once for the job, naming rank 0, the one that shadowed the most (ranks 0 and 1 are >= 10);
     every dashboard query answers.
 
@@ -293,8 +315,10 @@ def test_uneven_run_without_straggler(prometheus, tmp_path: Path) -> None:
         shares, lateness = _lateness(run)
         print(f"\nuneven run: share of every step per rank {shares}, seconds per step {lateness}")
         assert set(shares) == {"0", "1", "2"}, f"a rank has no share (too few scrapes saw it step?): {shares}"
-        assert run.values(alert_expr("TensorplayStragglerRank")) == {}, shares
-        assert max(shares.values()) < SHARE_THRESHOLD, shares  # not merely under the 10 ms floor
+        threshold = run.values(f'job:tensorplay_step_lateness:threshold_ratio5m{{job="{job}"}}')
+        print(f"the job's threshold {threshold}")
+        assert _window_alerts(run) == {} and run.values(alert_expr("TensorplayStragglerRank")) == {}, shares
+        assert max(shares.values()) < min(threshold.values()), shares  # not merely under the 2 ms floor
 
         shadowed = run.values(f'tensorplay_join_shadow_iterations{{job="{job}"}}')
         print(f"shadowed iterations per rank {shadowed}")
@@ -322,9 +346,9 @@ def test_uneven_run_without_straggler(prometheus, tmp_path: Path) -> None:
 def test_a_bigger_batch_on_one_rank_is_named_by_its_share_of_the_step(prometheus, tmp_path: Path) -> None:
     """2 ranks, rank 1 trains 16 times rank 0's batch: its extra work is forward and backward --
     between the buckets, where its compute time sees only part of it. It arrives last at every
-    step's end: the straggler expression names rank 1 alone with its share of every step as the
-    value, above the alert's 20 % and 10 ms; the demo's report names it with the same share (from
-    the spans, on the same steps); no other alert fires."""
+    step's end: the straggler rule names rank 1 alone in the run's window, its share of every step
+    as the value, above the job's threshold (and 2 ms) and critical; the demo's report names it
+    with the same share (from the spans, on the same steps); no other alert fires."""
     job = "e2e-batch-straggler"
     # Nothing paces this run (no sleep): at ~45 ms a step here, 30 steps ended within one or two
     # 1 s scrapes, and a rank whose counters were scraped only at their final value has no rate
@@ -338,10 +362,12 @@ def test_a_bigger_batch_on_one_rank_is_named_by_its_share_of_the_step(prometheus
         assert len(scraped) == 2 and min(scraped.values()) >= 2, f"too few scrapes while training: {scraped}"
         shares, lateness = _lateness(run)
         print(f"\nbatch straggler run: share of every step per rank {shares}, seconds per step {lateness}")
-        named = run.values(alert_expr("TensorplayStragglerRank"))
+        named = _window_alerts(run)
+        threshold = run.values(f'job:tensorplay_step_lateness:threshold_ratio5m{{job="{job}"}}')[""]
         assert set(named) == {"1"}, (named, shares, lateness)
-        assert named["1"] == pytest.approx(shares["1"]) and SHARE_THRESHOLD <= named["1"] < 1, named
-        assert lateness["1"] >= MIN_LATENESS_S, lateness
+        share, severities = named["1"]
+        assert share == pytest.approx(shares["1"]) and max(threshold, CRITICAL_SHARE) <= share < 1, (named, threshold)
+        assert severities == {"warning", "critical"} and lateness["1"] >= MIN_LATENESS_S, (named, lateness)
         for alert in ("TensorplayUnevenInputs", "TensorplayRankStalled", "TensorplayJobHung",
                       "TensorplayRankMetricsMissing", "TensorplayGradientOverflow"):
             assert run.values(alert_expr(alert)) == {}, alert
@@ -353,7 +379,7 @@ def test_a_bigger_batch_on_one_rank_is_named_by_its_share_of_the_step(prometheus
     reported = re.match(r"straggler: rank 1 costs the job (\d+) % of every step", verdict)
     assert reported, stdout
     # The report weighs steps 1..59 from the spans; Prometheus the steps its scrapes saw.
-    assert int(reported.group(1)) == pytest.approx(100 * named["1"], abs=8), (verdict, named)
+    assert int(reported.group(1)) == pytest.approx(100 * share, abs=8), (verdict, named)
     assert "injected: rank 1 trains a 16x batch (512 samples against its peers' 32) (found)" in stdout
 
 

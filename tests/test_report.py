@@ -24,7 +24,6 @@ import pytest
 
 import tensorplay.report
 from tensorplay.analysis.span_reader import read_spans
-from tensorplay.analysis.straggler import SHARE_THRESHOLD
 from tensorplay.analysis.summary import ModelSummary, summarize
 from tensorplay.cli import main
 from tensorplay.demo.rundir import RunDir
@@ -91,7 +90,7 @@ def test_straggler_line_is_highest_and_verdict_is_the_demos(two_ranks_straggler:
     assert _artist(part.figures["compute"], "compute-rank1").get_label() == "rank 1 (straggler)"
     # The same rule as the demo's text report, on the same end-of-step waits: the same words.
     assert part.verdict.rank == 1 and demo.verdict() == f"straggler: {part.verdict.evidence}"
-    assert part.verdict.share >= SHARE_THRESHOLD
+    assert part.verdict.share >= part.verdict.noise.threshold
     assert f"<strong>straggler:</strong> {html.escape(part.verdict.evidence)}" in page
     # The metric the demo reads and the span-derived compute agree.
     for result, timing in zip(_results(demo, 2), part.run.compute_ms_mean(), strict=True):
@@ -278,6 +277,8 @@ def test_the_cost_share_is_drawn_per_rank(two_ranks_straggler: Demo) -> None:
         assert (bar.get_facecolor()[0] > 0.8) == (r.rank == part.verdict.rank)  # the straggler's bar is red
     medians = sorted(x for x, _ in _artist(figure, "cost-median").get_offsets())
     assert medians == pytest.approx(sorted(100 * max(r.lateness.median_share, 0.0) for r in part.summary.ranks))
+    # The dashed line is the job's threshold, the verdict's: what its own noise explains.
+    assert _artist(figure, "cost-threshold").get_xdata()[0] == pytest.approx(100 * part.verdict.noise.threshold)
 
 
 GAN_STEPS = 4

@@ -239,14 +239,14 @@ def test_a_traced_hook_pickles_and_copies_to_an_equivalent_one(hook: Any, name: 
     from tensorplay.telemetry.model_identity import ModelsOfHook
 
     metrics = TensorplayMetrics(CollectorRegistry())
-    original = traced(hook, error_every=3, metrics=metrics)
+    original = traced(hook, error_every=3, advise_every=7, metrics=metrics)
     original._models.enter(_OneBucket())  # type: ignore[attr-defined]  # as if it had trained
     for copied, keeps_metrics in ((pickle.loads(pickle.dumps(original)), False), (copy.deepcopy(original), True)):
         assert copied.__name__ == copied.__qualname__ == f"traced({name})"
         assert copied.__doc__ == original.__doc__ and copied.__doc__ is not None
         assert hook_name(copied) == name and reports_collectives(copied) == reports_collectives(original)
         assert list(inspect.signature(copied).parameters)[1] == "bucket"  # what DDP checks
-        assert copied._error_every == 3  # type: ignore[attr-defined]
+        assert copied._error_every == 3 and copied._advisor.every == 7  # type: ignore[attr-defined]
         assert (copied._metrics is metrics) == keeps_metrics  # type: ignore[attr-defined]
         models = copied._models  # type: ignore[attr-defined]
         assert isinstance(models, ModelsOfHook) and models.count() == 0  # fresh counts
@@ -275,6 +275,8 @@ def test_traced_rejects_bad_arguments() -> None:
             "traced: metrics must be a TensorplayMetrics (TensorplayMetrics(registry) for a registry of your own), "
             f"or None for the process's metrics; got {type(wrong).__name__}")
     assert traced(default_hooks.allreduce_hook, metrics=TensorplayMetrics(CollectorRegistry())) is not None
+    with pytest.raises(ValueError, match="advise_every must be >= 0"):
+        traced(default_hooks.allreduce_hook, advise_every=-1)
 
 
 def test_traced_powersgd_reports_its_residual_and_keeps_gradients() -> None:

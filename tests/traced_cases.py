@@ -54,14 +54,20 @@ def user_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch
 
 
 class BucketCopies:
-    """Wraps a hook to keep a copy of every bucket as DDP handed it over, keyed by (step, index)."""
+    """Wraps a hook to keep a copy of every bucket as DDP handed it over, keyed by (step, index), and
+    where each of its gradients lies in it: (offset, shape)."""
 
     def __init__(self, hook: Any) -> None:
         self.copies: dict[tuple[int, int], torch.Tensor] = {}
+        self.layouts: dict[tuple[int, int], list[tuple[int, torch.Size]]] = {}
         self._step = 0
 
         def copying_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            self.copies[(self._step, bucket.index())] = bucket.buffer().clone()
+            buffer = bucket.buffer()
+            self.copies[(self._step, bucket.index())] = buffer.clone()
+            self.layouts[(self._step, bucket.index())] = [
+                (gradient.storage_offset() - buffer.storage_offset(), gradient.shape) for gradient in bucket.gradients()
+            ]
             if bucket.is_last():
                 self._step += 1
             return hook(state, bucket)

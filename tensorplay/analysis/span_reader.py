@@ -42,9 +42,10 @@ try:  # the report extra brings orjson: JSON parsing is most of the time a large
 except ImportError:  # pragma: no cover - the standard library parses the same lines, three times slower
     from json import loads as _fast_loads
 
-from tensorplay.telemetry.names import HOOK_SPAN_NAME, JOIN_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr
+from tensorplay.telemetry.names import ADVICE_SPAN_NAME, HOOK_SPAN_NAME, JOIN_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr, Candidate
 
-__all__ = ["HookSpans", "JoinSpan", "OptimizerSteps", "Spans", "NoSpans", "span_files", "read_spans", "merge_spans",
+__all__ = ["HookSpans", "JoinSpan", "AdviceSpan", "OptimizerSteps", "Spans", "NoSpans", "span_files", "read_spans",
+           "merge_spans",
            "PARALLEL_BYTES", "IMPLAUSIBLE_SPREAD", "IMPLAUSIBLE_SLACK"]
 
 PARALLEL_BYTES = 64 * 2**20
@@ -61,6 +62,7 @@ _HOOK_INTS = (Attr.RANK, Attr.STEP, Attr.BUCKET_INDEX, Attr.BUCKET_BYTES, Attr.B
 _HOOK_FLOATS = (Attr.ALLREDUCE_LATENCY_MS,)
 _JOIN_INTS = (Attr.RANK, Attr.JOIN_SHADOW_ITERATIONS)
 _JOIN_FLOATS = (Attr.JOIN_WAIT_MS,)
+_ADVICE_INTS = (Attr.RANK, Attr.STEP, Attr.BUCKET_BYTES)
 
 
 class NoSpans(Exception):
@@ -115,6 +117,23 @@ class JoinSpan:
     last_joiner: bool
 
 
+@dataclass(frozen=True)
+class AdviceSpan:
+    """One rank's ``tensorplay.advice`` span: what each candidate compression would have made of
+    the gradients of one advised iteration (docs/telemetry.md, "What another hook would give")."""
+
+    rank: int
+    model: int
+    step: int
+    hook: str
+    start_s: float
+    end_s: float
+    bucket_bytes: int
+    """Bytes of the iteration's buckets as DDP handed them over."""
+    candidates: dict[str, tuple[float, float, int]]
+    """Candidate -> (error ratio, NaN where it was undefined or infinite; wire ratio; elements made non-finite)."""
+
+
 @dataclass
 class OptimizerSteps:
     """Where the spans count a traced model's optimizer steps (docs/telemetry.md, "Replicas"), a row each.
@@ -149,10 +168,11 @@ class Spans:
     joins: list[JoinSpan]
     files: list[Path]
     problems: list[str] = field(default_factory=list)
-    optimizer_steps: OptimizerSteps = field(default_factory=lambda: _merge_steps([]))
     world_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
     """Per file name, each world size its spans say (their resource's ``tensorplay.world_size``, else
     their own) and how many spans say it; spans that say none are not counted."""
+    advice: list[AdviceSpan] = field(default_factory=list)
+    optimizer_steps: OptimizerSteps = field(default_factory=lambda: _merge_steps([]))
 
 
 def span_files(source: Path) -> list[Path]:
@@ -235,6 +255,7 @@ class _FileSpans:
     problems: _FileProblems
     steps: np.ndarray
     """Rows of :data:`_STEP_READ_COLUMNS`: the optimizer step counts its spans carry."""
+    advice: list[AdviceSpan] = field(default_factory=list)
 
     def world_sizes(self) -> dict[int, int]:
         """Each world size the file's spans say, and how many spans say it."""
@@ -253,6 +274,7 @@ class _FileReader:
         self._joins: list[JoinSpan] = []
         self._steps = array("q")
         self._other_world_sizes: list[int] = []
+        self._advice: list[AdviceSpan] = []
         self._clock = _Clock()
 
     def read(self, path: Path) -> _FileSpans:
@@ -278,7 +300,7 @@ class _FileReader:
         return _FileSpans(np.array(self._ints, dtype=np.int64).reshape(-1, len(_READ_COLUMNS)),
                           np.array(self._floats, dtype=np.float64).reshape(-1, len(_FLOAT_COLUMNS)),
                           list(self._hooks), self._joins, self._other_world_sizes, problems,
-                          np.array(self._steps, dtype=np.int64).reshape(-1, len(_STEP_READ_COLUMNS)))
+                          np.array(self._steps, dtype=np.int64).reshape(-1, len(_STEP_READ_COLUMNS)), self._advice)
 
     def _add(self, span: Any, line: int) -> str | None:
         """Add one parsed span; return what makes it unreadable, or None."""
@@ -290,6 +312,8 @@ class _FileReader:
                 self._add_join(span, attributes)
             elif name == OPTIMIZER_STEP_SPAN_NAME:
                 self._add_step(span, attributes, line)
+            elif name == ADVICE_SPAN_NAME:
+                self._add_advice(span, attributes)
             elif isinstance(name, str) and name.startswith(_TENSORPLAY_PREFIX):
                 return f"a span named {name!r}"
             return None  # ours, or the application's own span
@@ -346,6 +370,22 @@ class _FileReader:
         self._steps.extend(row)
         self._other_world_sizes.append(world_size)
 
+    def _add_advice(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
+        ints = [attributes[name] for name in _ADVICE_INTS]
+        hook = attributes[Attr.HOOK]
+        if not all(isinstance(value, int) and value >= 0 for value in ints) or not isinstance(hook, str):
+            raise TypeError("rank, step and bytes must be whole numbers, the hook a name")
+        candidates = {
+            name: (float(attributes.get(Attr.ADVICE_ERROR_RATIO.format(candidate=name), _NAN)),
+                   float(attributes[Attr.ADVICE_WIRE_RATIO.format(candidate=name)]),
+                   int(attributes[Attr.ADVICE_NONFINITE.format(candidate=name)]))
+            for name in Candidate.ALL
+        }
+        rank, step, bucket_bytes = ints
+        self._advice.append(AdviceSpan(rank, int(attributes.get(Attr.MODEL, 0)), step, hook,
+                                       self._clock.unix_seconds(span["start_time"]),
+                                       self._clock.unix_seconds(span["end_time"]), bucket_bytes, candidates))
+
 
 def _step_row(rank: int, attributes: dict[str, Any], steps: int, unreduced: bool, line: int) -> array:
     """A row of :data:`_STEP_READ_COLUMNS`, checked: whole numbers, a fingerprint with its step, none negative."""
@@ -378,6 +418,7 @@ def _world_size(span: dict[str, Any], attributes: dict[str, Any], rank: int) -> 
     return job
 
 
+
 def _loads(raw: bytes) -> Any:
     try:
         return _fast_loads(raw)
@@ -390,11 +431,9 @@ def _describe(span: Any, error: Exception) -> str:
     if not isinstance(span, dict) or not isinstance(span.get("attributes"), dict):
         return "not an OpenTelemetry span as JsonLinesSpanExporter writes it"
     name, attributes = span.get("name"), span["attributes"]
-    hook = name == HOOK_SPAN_NAME
-    if name == OPTIMIZER_STEP_SPAN_NAME:
-        wrong = _wrong_type(attributes, _STEP_INTS, ())
-    else:
-        wrong = _wrong_type(attributes, _HOOK_INTS if hook else _JOIN_INTS, _HOOK_FLOATS if hook else _JOIN_FLOATS)
+    ints, floats = {HOOK_SPAN_NAME: (_HOOK_INTS, _HOOK_FLOATS), ADVICE_SPAN_NAME: (_ADVICE_INTS, ()),
+                    OPTIMIZER_STEP_SPAN_NAME: (_STEP_INTS, ())}.get(name, (_JOIN_INTS, _JOIN_FLOATS))
+    wrong = _wrong_type(attributes, ints, floats)
     if wrong is not None:
         return f"{name} without {wrong}"
     return f"{name}: {type(error).__name__}: {error}"
@@ -557,11 +596,13 @@ def read_spans(source: Path) -> Spans:
     hooks = _merge(parts)
     joins = [join for part in parts for join in part.joins]
     problems = [problem for part in parts for problem in part.problems.messages()]
+    advice = [advice for part in parts for advice in part.advice]
     steps = _merge_steps(parts)
     if not len(hooks) and not joins and not len(steps):
         raise NoSpans("; ".join(problems) if problems else
                       f"no tensorplay spans in {', '.join(str(path) for path in files)}")
-    return Spans(hooks, joins, files, problems, steps, {name: sizes for name, sizes in world_sizes.items() if sizes})
+    return Spans(hooks, joins, files, problems, {name: sizes for name, sizes in world_sizes.items() if sizes}, advice,
+                 steps)
 
 
 def merge_spans(parts: list[Spans]) -> Spans:
@@ -574,4 +615,5 @@ def merge_spans(parts: list[Spans]) -> Spans:
                for part in parts]
     return Spans(_merge(as_rows), [join for part in parts for join in part.joins],
                  [path for part in parts for path in part.files], [p for part in parts for p in part.problems],
-                 _merge_steps(as_rows), {name: sizes for part in parts for name, sizes in part.world_sizes.items()})
+                 {name: sizes for part in parts for name, sizes in part.world_sizes.items()},
+                 [advice for part in parts for advice in part.advice], _merge_steps(as_rows))

@@ -74,7 +74,8 @@ def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: Ru
               "end wait: mean wait in each step's last collective (tensorplay_step_wait_seconds_total);  "
               "costs the job: the share of every step its peers wait for it there (what the straggler verdict "
               "and TensorplayStragglerRank weigh);  latest on: steps at which it arrived last;  "
-              "median late: its lateness at the median step (a straggler is late on most steps, not a few)",
+              "median late: its lateness at the median step;  the verdict names a rank that costs more than the job's "
+              "own noise explains (k x the spread of the other ranks' shares) in each third of the steps",
               "gradient reductions, unreduced steps, replica fingerprints: from the optimizer step counts on each "
               "reduced iteration's last hook span and the tensorplay.optimizer_step span of each unreduced step (the "
               "steps shown: up to each rank's last iteration, later ones only when unreduced; a fingerprint every "

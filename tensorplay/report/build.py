@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from tensorplay.analysis.replicas import ReplicaSync, replica_sync
 from tensorplay.analysis.run import Run
 from tensorplay.analysis.span_reader import Spans, read_spans
-from tensorplay.analysis.straggler import Verdict
+from tensorplay.analysis.straggler import CRITICAL_SHARE, MIN_LATENESS_S, WINDOWS, Verdict
 from tensorplay.analysis.summary import ModelSummary, summarize
 from tensorplay.analysis.table import COLUMNS, rank_rows
 from tensorplay.analysis.world import World
@@ -140,9 +140,10 @@ def _captions(run: Run, plots) -> list[tuple[str, str, str, str]]:
     return [
         ("cost", "What each rank costs the job",
          "Per rank, the share of every step its peers wait for it at the step's last collective (the bar: over the "
-         "steps every rank trained; the dot: its median step). A straggler's bar reaches the dashed line (20 %, "
-         "and 10 ms per step) and it was that late on two steps in three, as the verdict and "
-         "TensorplayStragglerRank weigh it"
+         "steps every rank trained; the dot: its median step). The dashed line is what the job's own noise "
+         f"explains (k x the spread of the other ranks' shares); a straggler passed it, and cost at least "
+         f"{1e3 * MIN_LATENESS_S:g} ms per step, in each of {WINDOWS} blocks of the steps, as the verdict and "
+         f"TensorplayStragglerRank weigh it; the dotted line is the critical share ({100 * CRITICAL_SHARE:.0f} %)"
          + _subset(ranks, plots.COST_RANKS, "the highest shares") + ".",
          "No share: it needs two or more ranks with steps every rank trained after the first."),
         ("compute", "Compute time per step, per rank",

@@ -21,7 +21,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 from matplotlib.figure import Figure
 
 from tensorplay.analysis.run import Run
-from tensorplay.analysis.straggler import MIN_LATENESS_S, SHARE_THRESHOLD, Verdict
+from tensorplay.analysis.straggler import CRITICAL_SHARE, MIN_LATENESS_S, WINDOWS, Verdict
 from tensorplay.analysis.summary import ModelSummary
 
 __all__ = ["TOP_K", "HEATMAP_RANKS", "HEATMAP_STEPS", "JOIN_RANKS", "COST_RANKS", "cost_figure", "compute_figure",
@@ -117,7 +117,8 @@ def compute_figure(run: Run, verdict: Verdict) -> Figure | None:
 
 
 def cost_figure(summary: ModelSummary) -> Figure | None:
-    """Per rank, the share of every step the job waits for it: over the run (bar) and at its median step (dot)."""
+    """Per rank, the share of every step the job waits for it: over the run (bar) and at its median step
+    (dot), against the job's threshold (what its own noise explains) and the critical share."""
     figures = [r for r in summary.ranks if r.lateness is not None]
     if not figures:
         return None
@@ -134,14 +135,17 @@ def cost_figure(summary: ModelSummary) -> Figure | None:
     axes.scatter(medians, positions, color="k", s=16, zorder=3, label="median step", gid="cost-median")
     for position, r, share, median in zip(positions, shown, shares, medians):
         late = r.lateness
-        axes.text(max(share, median), position, f" {share:.0f} %, {1e3 * max(late.per_step_s, 0.0):.1f} ms; late on "
-                  f"{late.late_steps}/{late.steps} steps", va="center", fontsize="small")
-    axes.axvline(100 * SHARE_THRESHOLD, color="0.3", linestyle="--", linewidth=1,
-                 label=f"straggler: {100 * SHARE_THRESHOLD:.0f} % (and {1e3 * MIN_LATENESS_S:g} ms)")
+        axes.text(max(share, median), position, f" {share:.0f} %, {1e3 * max(late.per_step_s, 0.0):.1f} ms; above "
+                  f"the job's noise in {late.outlier_blocks}/{WINDOWS} blocks", va="center", fontsize="small")
+    threshold = 100 * summary.verdict.noise.threshold
+    axes.axvline(threshold, color="0.3", linestyle="--", linewidth=1, gid="cost-threshold",
+                 label=f"the job's noise: {threshold:.0f} % (a straggler passes it in each block, and {1e3 * MIN_LATENESS_S:g} ms)")
+    axes.axvline(100 * CRITICAL_SHARE, color=_STRAGGLER_COLOR, linestyle=":", linewidth=1,
+                 label=f"critical: {100 * CRITICAL_SHARE:.0f} %")
     axes.set_yticks(positions, [f"rank {r.rank}" + (" (straggler)" if r.rank in named else "") for r in shown],
                     fontsize="small")
     axes.invert_yaxis()
-    axes.set_xlim(0, max(max(shares + medians), 100 * SHARE_THRESHOLD) * 1.6)
+    axes.set_xlim(0, max(max(shares + medians), threshold, 100 * CRITICAL_SHARE) * 1.6)
     axes.set_xlabel("share of every step the job waits for the rank (%)")
     axes.legend(loc="lower right", fontsize="small", frameon=False)
     return figure

@@ -18,6 +18,7 @@ from typing import Any
 _HOME = {
     "traced": "traced",
     "DEFAULT_ERROR_EVERY": "traced",
+    "DEFAULT_ADVISE_EVERY": "traced",
     "TensorplayMetrics": "metrics",
     "enable_metrics": "metrics",
     "disable_metrics": "metrics",

@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -46,7 +46,7 @@ from .outcome import observe, outcome, span_attributes
 from .recorder import BucketRecord
 from .timing import happened
 
-__all__ = ["OwnedSpan", "Finisher", "finisher", "flush"]
+__all__ = ["OwnedSpan", "Finisher", "finisher", "flush", "wait_before_flush"]
 
 _logger = logging.getLogger(__name__)
 
@@ -434,14 +434,21 @@ def finisher() -> Finisher:
     return _finisher
 
 
+_waits_before_flush: list[Callable[[float | None], bool]] = []
+
+
+def wait_before_flush(wait: Callable[[float | None], bool]) -> None:
+    """Have :func:`flush` first call ``wait(timeout left)``: work that hands the finisher its spans later (the advice)."""
+    _waits_before_flush.append(wait)
+
+
 def flush(timeout: float | None = 30.0) -> bool:
-    """Wait until every traced hook call so far has its metrics recorded and its span ended.
+    """Wait until every traced hook call so far has its metrics recorded and its span ended (the advice of
+    every advised iteration so far too); False if ``timeout`` ran out first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waited = [wait(_left(deadline)) for wait in _waits_before_flush]
+    return _finisher.flush(_left(deadline)) and all(waited)
 
-    A replica fingerprint whose device copy is still under way is published first (CUDA).
-    """
-    from .replica_sync import settle_fingerprint  # it hands its spans to this module: imported at use
 
-    started = time.monotonic()
-    settled = settle_fingerprint(timeout)
-    remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
-    return _finisher.flush(remaining) and settled
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

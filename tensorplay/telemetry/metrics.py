@@ -47,8 +47,8 @@ JOIN_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 60
 class _WithoutCreated:
     """Serves a registry's families without their ``_created`` samples.
 
-    prometheus_client adds one ``<name>_created`` series per counter and histogram child: 15 of a
-    rank's 97 series with one hook, read by no rule, panel or alert (Prometheus 2.x stores them as
+    prometheus_client adds one ``<name>_created`` series per counter and histogram child: 18 of a
+    rank's 102 series with one hook, read by no rule, panel or alert (Prometheus 2.x stores them as
     plain gauges). Dropping them here, rather than with prometheus_client's process-wide
     ``disable_created_metrics()``, leaves an application's own metrics in the same process as
     they are.
@@ -147,6 +147,22 @@ class TensorplayMetrics:
             Metric.JOIN_LAST_JOINER, "1 if this rank was among the last to join (latest Join), else 0.", rank_label, registry=r
         )
         self.joins = Counter(Metric.JOINS, "Join contexts completed.", rank_label, registry=r)
+        candidate_labels = ("rank", "hook", "candidate")
+        self.candidate_error = Gauge(
+            Metric.CANDIDATE_ERROR,
+            "What the candidate compression would make of this rank's gradients: relative L2 error, latest advised iteration.",
+            candidate_labels, registry=r,
+        )
+        self.candidate_wire = Gauge(
+            Metric.CANDIDATE_WIRE,
+            "Bytes the candidate compression would send over bytes DDP handed over, latest advised iteration.",
+            candidate_labels, registry=r,
+        )
+        self.candidate_nonfinite = Gauge(
+            Metric.CANDIDATE_NONFINITE,
+            "Finite gradient elements the candidate compression would make non-finite, latest advised iteration.",
+            candidate_labels, registry=r,
+        )
         self.telemetry_errors = Counter(
             Metric.TELEMETRY_ERRORS,
             "Telemetry problems that training rode over (port taken, exporter down, a failing listener).",

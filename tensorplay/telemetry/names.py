@@ -4,14 +4,17 @@ __all__ = [
     "TRACER_NAME",
     "HOOK_SPAN_NAME",
     "JOIN_SPAN_NAME",
+    "ADVICE_SPAN_NAME",
     "OPTIMIZER_STEP_SPAN_NAME",
     "Attr",
     "Metric",
+    "Candidate",
 ]
 
 TRACER_NAME = "tensorplay"
 HOOK_SPAN_NAME = "tensorplay.comm_hook"
 JOIN_SPAN_NAME = "tensorplay.join"
+ADVICE_SPAN_NAME = "tensorplay.advice"
 OPTIMIZER_STEP_SPAN_NAME = "tensorplay.optimizer_step"
 
 
@@ -48,6 +51,11 @@ class Attr:
     STEP_BUSY_MS = "tensorplay.step.busy_ms"
     STEP_EXPOSED_COMMUNICATION_MS = "tensorplay.step.exposed_communication_ms"
     STEP_COMMUNICATION_MS = "tensorplay.step.communication_ms"
+    ADVICE_BUCKETS = "tensorplay.advice.buckets"
+    ADVICE_ERROR_RATIO = "tensorplay.advice.{candidate}.error_ratio"
+    ADVICE_WIRE_RATIO = "tensorplay.advice.{candidate}.wire_ratio"
+    ADVICE_NONFINITE = "tensorplay.advice.{candidate}.nonfinite"
+    """The advice span's figures of one candidate: ``.format(candidate=...)``."""
 
 
 class Metric:
@@ -80,3 +88,17 @@ class Metric:
     STEP_BUSY = "tensorplay_step_busy_seconds"
     STEP_EXPOSED_COMMUNICATION = "tensorplay_step_exposed_communication_seconds"
     STEP_COMMUNICATION = "tensorplay_step_communication_seconds"
+    CANDIDATE_ERROR = "tensorplay_compression_candidate_error_ratio"
+    CANDIDATE_WIRE = "tensorplay_compression_candidate_wire_ratio"
+    CANDIDATE_NONFINITE = "tensorplay_compression_candidate_nonfinite"
+
+
+class Candidate:
+    """The compressions the advice weighs: the ``candidate`` label's values (contract, section 6)."""
+
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWERSGD_RANK1 = "powersgd_rank1"
+    POWERSGD_RANK2 = "powersgd_rank2"
+    POWERSGD_RANK4 = "powersgd_rank4"
+    ALL = (FP16, BF16, POWERSGD_RANK1, POWERSGD_RANK2, POWERSGD_RANK4)

@@ -66,7 +66,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import probe
-from .finish import OwnedSpan, finisher
+from .finish import OwnedSpan, finisher, wait_before_flush
 from .fingerprint import Sample, sample_indices, take_sample
 from .names import OPTIMIZER_STEP_SPAN_NAME, Attr
 from .settings import steps_from_environment
@@ -438,7 +438,7 @@ def _publish(pending: _PendingFingerprint) -> None:
 def settle_fingerprint(timeout: float | None) -> bool:
     """Publish a fingerprint whose device copy is still under way, polling its events for at most ``timeout`` s.
 
-    :func:`~tensorplay.telemetry.flush` calls it, so a job's last fingerprint is served. Returns False if the copy had not happened in time (it stays pending).
+    :func:`~tensorplay.telemetry.flush` calls it first, so a job's last fingerprint is served. Returns False if the copy had not happened in time (it stays pending).
     """
     watch = _watch
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -494,3 +494,4 @@ def _start_afresh() -> None:
 
 
 os.register_at_fork(after_in_child=_start_afresh)
+wait_before_flush(settle_fingerprint)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from opentelemetry import trace
 
 from . import probe, replica_sync
+from .advisor import DEFAULT_ADVISE_EVERY, Advisor
 from .finish import OwnedSpan, finisher
 from .metrics import TensorplayMetrics, active_metrics
 from .model_identity import CallPlace, ModelsOfHook
@@ -35,7 +36,7 @@ from .timing import stamp
 from .tracing import may_record
 from .tracing import tracer as default_tracer
 
-__all__ = ["traced", "DEFAULT_ERROR_EVERY"]
+__all__ = ["traced", "DEFAULT_ERROR_EVERY", "DEFAULT_ADVISE_EVERY"]
 
 _logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ DEFAULT_ERROR_EVERY = 25
 """Default sampling of the exact compression error: every bucket of every 25th step."""
 
 _ERROR_EVERY_ENV = "TENSORPLAY_ERROR_EVERY"
+_ADVISE_EVERY_ENV = "TENSORPLAY_ADVISE_EVERY"
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -51,6 +53,7 @@ def traced(
     hook: Hook,
     *,
     error_every: Optional[int] = None,
+    advise_every: Optional[int] = None,
     metrics: Optional[TensorplayMetrics] = None,
     tracer_provider: Optional[trace.TracerProvider] = None,
 ) -> Hook:
@@ -67,13 +70,17 @@ def traced(
         error_every: sample the compression error every this many steps; 1 takes it on
             every step (full fidelity), 0 never. Default: ``TENSORPLAY_ERROR_EVERY`` (a whole
             number; unset or empty means the default), else 25.
+        advise_every: take the compression advice (what fp16, bf16 and PowerSGD at ranks 1, 2
+            and 4 would make of this rank's gradients) on one step in this many (steps N-1, 2N-1,
+            ...); 1 on every step, 0 never. Default: ``TENSORPLAY_ADVISE_EVERY``, else 250
+            (docs/telemetry.md, "What another hook would give").
         metrics: where to record metrics, a :class:`~tensorplay.telemetry.TensorplayMetrics` (tests
             pass ``TensorplayMetrics(CollectorRegistry())``); anything else is refused with a
             ``TypeError``. Default: the process's metrics once :func:`~tensorplay.telemetry.enable_metrics` ran.
         tracer_provider: default: OpenTelemetry's global provider.
 
     The traced hook pickles (``torch.multiprocessing.spawn``, Lightning's ``start_method="spawn"``)
-    whenever ``hook`` does, to a traced hook with the same ``error_every`` and fresh counts.
+    whenever ``hook`` does, to a traced hook with the same ``error_every``, ``advise_every`` and fresh counts.
     ``metrics`` and ``tracer_provider`` belong to the process that made them and are not
     pickled: in the receiving process the hook records to that process's defaults (its
     :func:`~tensorplay.telemetry.enable_metrics`, its global tracer provider). ``copy.deepcopy``
@@ -97,31 +104,31 @@ def traced(
     """
     if not callable(hook):
         raise TypeError(f"traced: expected a communication hook hook(state, bucket), got {type(hook).__name__}")
-    if error_every is None:
-        error_every = _error_every_from_environment()
-    try:
-        error_every = operator.index(error_every)  # an int, or what stands for one (numpy's)
-    except TypeError:
-        raise TypeError(f"traced: error_every must be a whole number of steps, got {error_every!r}") from None
-    if error_every < 0:
-        raise ValueError(f"traced: error_every must be >= 0 (0 turns the error off), got {error_every}")
+    error_every = _steps("error_every", error_every, _ERROR_EVERY_ENV, DEFAULT_ERROR_EVERY, "sample the compression error")
+    advise_every = _steps("advise_every", advise_every, _ADVISE_EVERY_ENV, DEFAULT_ADVISE_EVERY, "take the compression advice")
     if metrics is not None and not isinstance(metrics, TensorplayMetrics):
         # Refused here, once: accepted, it would fail at every bucket, warn and record nothing.
         raise TypeError(f"traced: metrics must be a TensorplayMetrics (TensorplayMetrics(registry) for a registry of "
                         f"your own), or None for the process's metrics; got {type(metrics).__name__}")
-    return _TracedHook(hook, probe.hook_name(hook), error_every, metrics, tracer_provider)
+    return _TracedHook(hook, probe.hook_name(hook), error_every, metrics, tracer_provider, advise_every)
 
 
-def _error_every_from_environment() -> int:
-    """``TENSORPLAY_ERROR_EVERY`` as a number of steps; unset or empty (as OpenTelemetry reads its variables) is 25."""
-    return steps_from_environment(
-        _ERROR_EVERY_ENV, DEFAULT_ERROR_EVERY, "0: never sample the compression error, 1: every step, N: every N-th step"
-    )
+def _steps(argument: str, value: Any, variable: str, default: int, what: str) -> int:
+    """A sampling argument as a number of steps: given, else from ``variable``, else ``default``."""
+    if value is None:
+        value = steps_from_environment(variable, default, f"0: never {what}, 1: every step, N: every N-th step")
+    try:
+        value = operator.index(value)  # an int, or what stands for one (numpy's)
+    except TypeError:
+        raise TypeError(f"traced: {argument} must be a whole number of steps, got {value!r}") from None
+    if value < 0:
+        raise ValueError(f"traced: {argument} must be >= 0 (0 turns it off), got {value}")
+    return value
 
 
-def _rebuilt(hook: Hook, error_every: int) -> Hook:
+def _rebuilt(hook: Hook, error_every: int, advise_every: int = DEFAULT_ADVISE_EVERY) -> Hook:
     """Unpickle a traced hook: the same hook and sampling, this process's metrics and tracer, fresh counts."""
-    return traced(hook, error_every=error_every)
+    return traced(hook, error_every=error_every, advise_every=advise_every)
 
 
 class _TracedHook:
@@ -139,6 +146,7 @@ class _TracedHook:
         error_every: int,
         metrics: Optional[TensorplayMetrics],
         tracer_provider: Optional[trace.TracerProvider],
+        advise_every: int = 0,
     ) -> None:
         self._hook = hook
         self._name = name
@@ -149,6 +157,7 @@ class _TracedHook:
         self._own_tracer = default_tracer(tracer_provider) if tracer_provider is not None else None
         self._models = ModelsOfHook()
         replica_sync.watch_optimizer_steps()
+        self._advisor = Advisor(advise_every)
         self.__wrapped__ = hook
         self.__doc__ = getattr(hook, "__doc__", None)
         self.__module__ = getattr(hook, "__module__", __name__)
@@ -159,14 +168,14 @@ class _TracedHook:
         return f"<{self.__name__}>"
 
     def __reduce__(self) -> tuple:
-        return _rebuilt, (self._hook, self._error_every)
+        return _rebuilt, (self._hook, self._error_every, self._advisor.every)
 
     def __copy__(self) -> "_TracedHook":
-        return _TracedHook(self._hook, self._name, self._error_every, self._metrics, self._tracer_provider)
+        return _TracedHook(self._hook, self._name, self._error_every, self._metrics, self._tracer_provider, self._advisor.every)
 
     def __deepcopy__(self, memo: dict) -> "_TracedHook":
         hook = copy.deepcopy(self._hook, memo)
-        return _TracedHook(hook, self._name, self._error_every, self._metrics, self._tracer_provider)
+        return _TracedHook(hook, self._name, self._error_every, self._metrics, self._tracer_provider, self._advisor.every)
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         place = self._models.enter(bucket)
@@ -252,6 +261,12 @@ class _TracedHook:
                 metrics.last_hook_call(record.rank_label).unix_s = called.unix_ns / 1e9
         except Exception:
             record.note_failure("last_step_timestamp")
+        every = self._advisor.every
+        # Steps N-1, 2N-1, ...: never one the error pass samples at the defaults (0, 25, 50, ...), so
+        # the two passes off the training thread never fall on one step. Before the hook runs: the
+        # bucket as DDP handed it over.
+        if every and place.step % every == every - 1 and not shadowing:
+            self._advisor.take(bucket, place, record, tracer if may_record(tracer) else None)
         return record
 
 
