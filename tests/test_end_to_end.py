@@ -595,12 +595,13 @@ def _is_demo_process(pid: int) -> bool:
 #
 # The replica rules compare fingerprints over 2 minutes and unreduced steps over 5: their silence on
 # a healthy job means something only over minutes of scrapes. So the job and its own Prometheus
-# start with the module's first test (when this check is selected) and run beside the others, at a
-# lower CPU priority (nice 10: it trains mostly on what the others leave idle, so that their timing
-# is not this job's, and still gets a share on a loaded machine; the cheapest hook, small batches),
-# and the last test of the module looks at all of it, waiting only for what the others' runtime did
-# not cover. Measured here: 0.9 of a core over the module's 3.5 minutes, its other tests' times
-# within their run-to-run spread.
+# start with the module's first test (when this check is selected) and run beside the others, and
+# the last test of the module looks at all of it, waiting only for what the others' runtime did not
+# cover. It is paced so that it takes little of the machine and so that each fingerprint is held
+# for several scrapes (the rules compare the ranks at a step both were scraped at: fingerprints a
+# fraction of a second apart would hardly ever be): rank 1 sleeps 50 ms per batch, as a slow data
+# loader would, and the job steps at its pace; at a lower CPU priority besides (nice 10), so that
+# the others' timing is not this job's.
 
 SILENT_S = 150.0  # of scrapes of each rank and rule evaluations, every second
 COMPARED_STEPS = 10  # fingerprint steps both ranks were scraped at, at least
@@ -620,18 +621,18 @@ class TrainedRight:
 @pytest.fixture(scope="module")
 def trained_right(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedRight]:
     """allreduce_hook, 4 batches of 8 per optimizer step, no_sync() around the forward and backward of
-    the first 3; a fingerprint every 2 optimizer steps (the ranks inherit TENSORPLAY_FINGERPRINT_EVERY),
-    so that a job slowed down by the others still takes many."""
+    the first 3, rank 1 sleeping 50 ms per batch; a fingerprint every 10 optimizer steps (the ranks
+    inherit TENSORPLAY_FINGERPRINT_EVERY): about one in 2 s, held for 2 scrapes or more."""
     port = free_base_port(2)
     server = PrometheusServer([f"127.0.0.1:{port + rank}" for rank in range(2)], tmp_path_factory.mktemp("prometheus"),
                               job=TRAINED_RIGHT_JOB).start()
     started = time.time()
     try:
         with pytest.MonkeyPatch.context() as environment:
-            environment.setenv("TENSORPLAY_FINGERPRINT_EVERY", "2")
+            environment.setenv("TENSORPLAY_FINGERPRINT_EVERY", "10")
             demo = start_demo(tmp_path_factory.mktemp("trained-right"), 2, "--steps", "10000000", "--hook",
-                              "allreduce_hook", "--batch-size", "8", "--accumulation-steps", "4", "--stall-timeout-s",
-                              "600", port=port, niceness=10)
+                              "allreduce_hook", "--batch-size", "8", "--accumulation-steps", "4", "--straggler-rank",
+                              "1", "--straggler-delay-ms", "50", "--stall-timeout-s", "600", port=port, niceness=10)
     except BaseException:
         server.stop()
         raise
