@@ -4,7 +4,8 @@ For each job size N it prints:
 
 1. the series one rank serves and the job's total, counted from the real exposition;
 2. alerts: every scenario of tests/synthetic_job.py (healthy, a x1.6 and a x1.2 straggler, a
-   straggler with x2.5 backward, a slow node, uniformly slow, an uneven Join, an overflow) as a job of N ranks over
+   straggler with x2.5 backward, a slow node, uniformly slow, an uneven Join, an overflow, a node stepping on
+   unreduced gradients with its replicas apart) as a job of N ranks over
    ``--scenario-minutes``, backfilled with the recording rules into one Prometheus; for each alert
    of deploy/prometheus/rules/tensorplay.alerts.yml, the ranks its expression returns at the end
    and held for its ``for:`` (count and first few), and the notifications Alertmanager makes of

@@ -1,5 +1,6 @@
-"""The Communication dashboard: DDP gradient communication, job first, then the worst ranks,
-telemetry errors and the ranks picked in the per-rank row."""
+"""The Communication dashboard: DDP gradient communication, job first (with the gradient
+synchronisation row: reductions per optimizer step, unreduced steps, replica fingerprints), then
+the worst ranks, telemetry errors and the ranks picked in the per-rank row."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def build() -> dict:
         "tensorplay / Communication",
         (
             "DDP gradient communication of whole jobs first: allreduce latency quantiles and distribution per "
-            "hook, bytes handed over vs on the wire, compression ratio and error, non-finite elements; then the "
+            "hook, bytes handed over vs on the wire, compression ratio and error, non-finite elements; whether "
+            "every gradient is reduced once per optimizer step and the replicas stay equal; then the "
             "worst ranks (top-k, stable over the time range), telemetry errors, and a collapsed per-rank row "
             "for the ranks you pick (exemplars link to traces there)."
         ),
@@ -214,6 +216,106 @@ def build() -> dict:
                     "Total over the job's ranks and hooks (counters restart with the processes).",
                     [Query('sum by (job) (tensorplay_nonfinite_elements_total{job=~"$job"})', "{{job}}")],
                     Size(12, 4),
+                ),
+            ]),
+            Row("Gradient synchronisation: every gradient reduced, once; replicas equal", [
+                timeseries(
+                    "Gradient reductions per optimizer step (job, 5m)",
+                    (
+                        "DDP iterations whose gradients a traced hook reduced, per optimizer step over a traced "
+                        "model, of the job's highest and lowest rank. 1: no accumulation, or no_sync() "
+                        "accumulation saving what it should. K: no_sync() took no effect over K micro-batches "
+                        "(it wraps only the backward: wrap the forward too). 0: steps trained on gradients that "
+                        "were never reduced (TensorplayGradientsNotReduced). A second backward per step, or "
+                        "several DDP models under one optimizer, count one each: no alert reads this."
+                    ),
+                    [
+                        Query('job:tensorplay_gradient_reductions:max_per_optimizer_step5m{job=~"$job"}',
+                              "highest rank · {{job}}"),
+                        Query('job:tensorplay_gradient_reductions:min_per_optimizer_step5m{job=~"$job"}',
+                              "lowest rank · {{job}}"),
+                    ],
+                    Size(12, 8),
+                    "short",
+                ),
+                timeseries(
+                    "Optimizer steps and gradient reductions per second (job)",
+                    (
+                        "Optimizer steps over traced DDP models and the gradient reductions of the traced hooks, "
+                        "per second, the job's ranks together (iterations shadowed inside Join not counted)."
+                    ),
+                    [
+                        Query('sum by (job) (rate(tensorplay_optimizer_steps_total{job=~"$job"}[$__rate_interval]))',
+                              "optimizer steps · {{job}}"),
+                        Query('sum by (job) (rate(tensorplay_gradient_reductions_total{job=~"$job"}[$__rate_interval]))',
+                              "gradient reductions · {{job}}"),
+                    ],
+                    Size(12, 8),
+                    "ops",
+                ),
+                timeseries(
+                    "Unreduced optimizer steps (job, 5m)",
+                    (
+                        "Optimizer steps that updated a traced DDP model none of whose gradients were reduced "
+                        "since its previous step, the job's ranks together: each trained its rank on its own "
+                        "gradients. 0 is right; anything above raises TensorplayGradientsNotReduced (a no_sync() "
+                        "that never ends, an accumulation off by one)."
+                    ),
+                    [Query('sum by (job) (job_rank:tensorplay_unreduced_optimizer_steps:increase5m{job=~"$job"})',
+                           "{{job}}")],
+                    Size(12, 8),
+                    "short",
+                    red_from=1,
+                ),
+                timeseries(
+                    "Different replica fingerprints at one optimizer step (job, 2m)",
+                    (
+                        "Every TENSORPLAY_FINGERPRINT_EVERY optimizer steps each rank fingerprints its parameters; "
+                        "ranks are compared only at the same step. 1: the replicas are equal. 2 or more: they "
+                        "differ, and TensorplayReplicasDiverged fires once it holds for 5 minutes. No line: no "
+                        "fingerprint yet (or TENSORPLAY_FINGERPRINT_EVERY=0)."
+                    ),
+                    [Query('max by (job) (job_step:tensorplay_replica_fingerprint:distinct2m{job=~"$job"})', "{{job}}")],
+                    Size(12, 8),
+                    "short",
+                    red_from=2,
+                ),
+                stat(
+                    "Latest fingerprint step, and the ranks serving one",
+                    (
+                        "The highest optimizer step any rank of the job fingerprinted its replica after, and how "
+                        "many ranks serve a fingerprint (a rank's first comes after TENSORPLAY_FINGERPRINT_EVERY "
+                        "steps)."
+                    ),
+                    [
+                        Query('max by (job) (tensorplay_replica_fingerprint_step{job=~"$job"})', "latest step · {{job}}"),
+                        Query('count by (job) (tensorplay_replica_fingerprint_step{job=~"$job"})', "ranks · {{job}}"),
+                    ],
+                    Size(8, 8),
+                ),
+                table(
+                    "Ranks holding a minority fingerprint (top $topk)",
+                    (
+                        "Ranks whose fingerprint fewer ranks share than the most common one at the same step, "
+                        "with how many ranks share it: the replicas that went their own way (none: all equal, or "
+                        "split evenly with no majority -- then see the panel above)."
+                    ),
+                    Query('topk($topk, job_rank:tensorplay_replica_fingerprint:minority{job=~"$job"})'),
+                    Size(8, 8),
+                    "ranks sharing it",
+                ),
+                bargauge(
+                    "Most unreduced optimizer steps (top $topk ranks)",
+                    (
+                        "The ranks that took unreduced optimizer steps in the last 5 minutes, valued by how many "
+                        "since they started (none: every step was reduced). TensorplayGradientsNotReduced names "
+                        "the first."
+                    ),
+                    Query('topk($topk, job_rank:tensorplay_unreduced_optimizer_steps:taken5m{job=~"$job"})',
+                          "rank {{rank}} · {{job}}"),
+                    Size(8, 8),
+                    "short",
+                    links=rank_link(UID),
                 ),
             ]),
             Row("Worst ranks (the $topk highest or lowest over the time range)", [

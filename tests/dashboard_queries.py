@@ -42,7 +42,7 @@ DASHBOARD_DIR = REPO_ROOT / "dashboards"
 RULE_DIR = REPO_ROOT / "deploy" / "prometheus" / "rules"
 
 CONTRACT_METRICS: dict[str, str] = {
-    # The telemetry contract, section 3 (names are fixed) ...
+    # The telemetry contract, sections 3 and 7 (names are fixed) ...
     "tensorplay_allreduce_latency_seconds": "histogram",
     "tensorplay_bucket_bytes_total": "counter",
     "tensorplay_wire_bytes_total": "counter",
@@ -56,6 +56,11 @@ CONTRACT_METRICS: dict[str, str] = {
     "tensorplay_join_wait_seconds": "histogram",
     "tensorplay_join_last_joiner": "gauge",
     "tensorplay_joins_total": "counter",
+    "tensorplay_optimizer_steps_total": "counter",  # section 7
+    "tensorplay_gradient_reductions_total": "counter",
+    "tensorplay_unreduced_optimizer_steps_total": "counter",
+    "tensorplay_replica_fingerprint": "gauge",
+    "tensorplay_replica_fingerprint_step": "gauge",
     # ... and its documented extensions.
     "tensorplay_telemetry_errors_total": "counter",
     "tensorplay_bucket_nonfinite_elements_total": "counter",

@@ -29,7 +29,7 @@ from .ranks import free_base_port
 from .waiting import wait_until
 
 __all__ = ["STRAGGLER_DELAY_MS", "Demo", "DemoProcess", "start_demo", "run_demo", "scrape", "has_sample", "two_ranks",
-           "two_ranks_straggler", "three_ranks_uneven_straggler", "three_ranks_uneven"]
+           "two_ranks_straggler", "three_ranks_uneven_straggler", "three_ranks_uneven", "two_ranks_never_synced"]
 
 LINGER_S = 1.0  # the ranks keep serving metrics this long after training: time for a last scrape
 RUN_TIMEOUT_S = 100.0
@@ -136,16 +136,18 @@ class DemoProcess:
 
 
 def start_demo(tmp_path: Path, world_size: int, *flags: str, linger_s: float = LINGER_S,
-               port: int | None = None) -> DemoProcess:
+               port: int | None = None, niceness: int = 0) -> DemoProcess:
     """Start ``python -m tensorplay demo`` with its run dir and output files under ``tmp_path``.
 
-    Its ranks serve metrics from base port ``port`` (default: free ports found now).
+    Its ranks serve metrics from base port ``port`` (default: free ports found now); a ``niceness``
+    above 0 runs the launcher and its ranks at a lower CPU priority (``nice``).
     """
     port = free_base_port(world_size) if port is None else port
     run_dir = RunDir(tmp_path / "run")
     stdout_path, stderr_path = tmp_path / "demo.stdout", tmp_path / "demo.stderr"
-    command = [sys.executable, "-m", "tensorplay", "demo", "--world-size", str(world_size),
-               "--metrics-port", str(port), "--linger-s", repr(linger_s), "--run-dir", str(run_dir.path), *flags]
+    command = [*(["nice", "-n", str(niceness)] if niceness else []), sys.executable, "-m", "tensorplay", "demo",
+               "--world-size", str(world_size), "--metrics-port", str(port), "--linger-s", repr(linger_s),
+               "--run-dir", str(run_dir.path), *flags]
     with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True)
     return DemoProcess(process, run_dir, port, world_size, stdout_path, stderr_path)
@@ -178,8 +180,10 @@ def run_demo(tmp_path: Path, world_size: int, *flags: str) -> Demo:
 
 @pytest.fixture(scope="session")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Demo:
-    """2 ranks, 12 steps, the default hook (fp16_compress_hook), no straggler."""
-    return run_demo(tmp_path_factory.mktemp("two-ranks"), 2, "--steps", "12")
+    """2 ranks, 12 steps, the default hook (fp16_compress_hook), no straggler; 2 batches per optimizer
+    step, with no_sync() around the first one's backward only (it takes no effect: 2 reductions per step)."""
+    return run_demo(tmp_path_factory.mktemp("two-ranks"), 2, "--steps", "12", "--accumulation-steps", "2",
+                    "--no-sync-bug", "backward-only")
 
 
 STRAGGLER_DELAY_MS = "100"
@@ -202,6 +206,12 @@ def three_ranks_uneven_straggler(tmp_path_factory: pytest.TempPathFactory) -> De
     blocks of 2 steps let one odd step decide)."""
     return run_demo(tmp_path_factory.mktemp("three-ranks-uneven-straggler"), 3, "--steps", "16", "--uneven",
                     "--straggler-rank", "2", "--straggler-delay-ms", STRAGGLER_DELAY_MS)
+
+
+@pytest.fixture(scope="session")
+def two_ranks_never_synced(tmp_path_factory: pytest.TempPathFactory) -> Demo:
+    """2 ranks, 10 steps, no_sync() entered after the first optimizer step and never left."""
+    return run_demo(tmp_path_factory.mktemp("two-ranks-never-synced"), 2, "--steps", "10", "--no-sync-bug", "never-ends")
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,10 @@ serve and nothing the code serves is left out.
   ``uneven_join`` 90 % of the ranks shadow 10 or more (each a different count); the Join series
   exist from that Join on, as they do on a real rank;
 * ``overflow_hooks``: from halfway on, 70 % of the ranks make elements non-finite with these hooks
-  every scrape (a different rate per rank).
+  every scrape (a different rate per rank);
+* one optimizer step and one gradient reduction per step; a replica fingerprint every 100 steps,
+  the same on every rank; ``unreduced_ranks``: from halfway on, these ranks reduce no gradient
+  (every step of theirs is unreduced) and each holds a fingerprint of its own.
 
 :meth:`SyntheticJob.write_openmetrics` writes ranks ``[first, last)`` as OpenMetrics text with
 timestamps, the input of ``promtool tsdb create-blocks-from openmetrics``; a large job is written
@@ -54,7 +57,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.openmetrics.exposition import generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from tensorplay.telemetry.metrics import TensorplayMetrics
+from tensorplay.telemetry.metrics import ReplicaFingerprints, TensorplayMetrics
 from tensorplay.telemetry.names import Metric
 
 from .step_timing import BUCKETS_PER_STEP, COLLECTIVE_S, Spread, Timeline, simulate
@@ -84,6 +87,7 @@ _ERROR_NOISE = 0.3
 _UNEVEN_SHARE = 0.9  # ranks that run out of inputs early in an uneven Join
 _OVERFLOW_SHARE = 0.7  # ranks that overflow in an overflow scenario
 _SERIES_LABELS = frozenset({"rank", "hook"})
+_FINGERPRINT_EVERY = 100  # optimizer steps between replica fingerprints (TENSORPLAY_FINGERPRINT_EVERY's default)
 
 
 # -- the real exposition --------------------------------------------------------------------------
@@ -118,6 +122,9 @@ def exposition(hooks: Sequence[str]) -> list[Family]:
     """
     metrics = TensorplayMetrics()
     for family in vars(metrics).values():
+        if isinstance(family, ReplicaFingerprints):  # the fingerprint and its step, one pair per rank
+            family.set("0", 0, 0)
+            continue
         # prometheus_client keeps a family's label names in `_labelnames` (no public accessor).
         names = getattr(family, "_labelnames", None) if isinstance(family, MetricWrapperBase) else None
         if names is None or not set(names) <= _SERIES_LABELS:
@@ -157,6 +164,7 @@ class Scenario:
     uniform_factor: float = 1.0
     uneven_join: bool = False
     overflow_hooks: tuple[str, ...] = ()
+    unreduced_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not set(self.overflow_hooks) <= set(self.hooks):
@@ -169,7 +177,8 @@ def standard_scenarios(ranks: int, hooks: Sequence[str] = ("fp16_compress_hook",
     healthy; one straggler at x1.6 compute (rank ranks // 3) and one at x1.2 (which must stay
     silent: within the noise of a large job); one with x2.5 the backward of its peers (rank
     ranks // 3: its compute is like theirs); a slow node (the 8 ranks of node 1 at x1.6); every rank
-    x1.6 (uniformly slow); an uneven Join; an overflow on every hook.
+    x1.6 (uniformly slow); an uneven Join; an overflow on every hook; node 1's ranks stepping on
+    unreduced gradients (a no_sync() that never ends there), their replicas apart.
     """
     hooks = tuple(hooks)
     straggler = ranks // 3
@@ -183,6 +192,7 @@ def standard_scenarios(ranks: int, hooks: Sequence[str] = ("fp16_compress_hook",
         Scenario(f"{prefix}uniformly-slow", hooks, uniform_factor=1.6),
         Scenario(f"{prefix}uneven-join", hooks, uneven_join=True),
         Scenario(f"{prefix}overflow", hooks, overflow_hooks=hooks),
+        Scenario(f"{prefix}unreduced-node", hooks, unreduced_ranks=node),
     ]
 
 
@@ -403,6 +413,44 @@ class SyntheticJob:
     def _steps(self, series: Series, ranks: slice) -> np.ndarray:
         return self._counted_steps[ranks].astype(float)
 
+    def _optimizer_steps(self, series: Series, ranks: slice) -> np.ndarray:
+        return self.steps[None, :] + self._zeros(series, ranks)
+
+    @cached_property
+    def _unreduced_steps(self) -> np.ndarray:
+        """Unreduced steps of each rank by each scrape (ranks x scrapes): of ``unreduced_ranks`` the
+        steps from halfway on, the i-th of them starting i scrapes later (each rank its own count)."""
+        unreduced = np.zeros((self.ranks, len(self.times)))
+        for i, rank in enumerate(self.scenario.unreduced_ranks):
+            since = self.steps[min(self.join_index + i, len(self.times) - 1)]
+            unreduced[rank] = np.maximum(self.steps - since, 0)
+        return unreduced
+
+    def _gradient_reductions(self, series: Series, ranks: slice) -> np.ndarray:
+        return self.steps[None, :] - self._unreduced_steps[ranks]
+
+    def _unreduced(self, series: Series, ranks: slice) -> np.ndarray:
+        return self._unreduced_steps[ranks]
+
+    @cached_property
+    def _fingerprint_steps(self) -> np.ndarray:
+        """The latest multiple of 100 steps by each scrape; NaN before the first (no series yet)."""
+        taken = (self.steps // _FINGERPRINT_EVERY * _FINGERPRINT_EVERY).astype(float)
+        taken[taken == 0] = np.nan
+        return taken
+
+    def _fingerprint_step(self, series: Series, ranks: slice) -> np.ndarray:
+        return self._fingerprint_steps[None, :] + self._zeros(series, ranks)
+
+    def _fingerprint(self, series: Series, ranks: slice) -> np.ndarray:
+        """A function of the step (below 2^53); a rank that stopped reducing adds its own rank + 1 from then on."""
+        steps = np.nan_to_num(self._fingerprint_steps).astype(np.int64)
+        equal = (steps * 2654435761) % 2**52
+        own = (self._unreduced_steps[ranks] > 0) * (np.arange(ranks.start, ranks.stop)[:, None] + 1)
+        values = (equal[None, :] + own).astype(float)
+        values[:, np.isnan(self._fingerprint_steps)] = np.nan
+        return values
+
     def _step_busy(self, series: Series, ranks: slice) -> np.ndarray:
         return (self._step_seconds_s[ranks] - self._end_wait_s[ranks]) / len(self.scenario.hooks)
 
@@ -466,6 +514,11 @@ class SyntheticJob:
         Metric.JOIN_WAIT: _join_wait,
         Metric.JOIN_LAST_JOINER: _join_last_joiner,
         Metric.JOINS: _joins,
+        Metric.OPTIMIZER_STEPS: _optimizer_steps,
+        Metric.GRADIENT_REDUCTIONS: _gradient_reductions,
+        Metric.UNREDUCED_OPTIMIZER_STEPS: _unreduced,
+        Metric.REPLICA_FINGERPRINT: _fingerprint,
+        Metric.REPLICA_FINGERPRINT_STEP: _fingerprint_step,
     }
 
     # -- OpenMetrics -------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 from tensorplay.telemetry import flush
 from tensorplay.telemetry.advisor import pooled_error
 from tensorplay.telemetry.candidate_figures import bucket_sums
-from tensorplay.telemetry.names import ADVICE_SPAN_NAME, Attr, Candidate
+from tensorplay.telemetry.names import ADVICE_SPAN_NAME, HOOK_SPAN_NAME, Attr, Candidate
 from tensorplay.telemetry.finish import finisher
 
 from . import parity_cases, traced_cases, training
@@ -150,7 +150,7 @@ def _span_timings(rank: int, hook: Callable, steps: int = 2) -> list[tuple[float
     with _training_on_cuda():
         training.train(rank, traced(hook, tracer_provider=sink.provider), steps=steps)
     assert flush(60), "records still pending"
-    spans = sink.finished()
+    spans = [span for span in sink.finished() if span.name == HOOK_SPAN_NAME]
     assert spans
     return [(span.attributes[Attr.ALLREDUCE_LATENCY_MS], (span.end_time - span.start_time) / 1e6) for span in spans]
 
@@ -360,6 +360,51 @@ def test_traced_powersgd_adds_no_synchronization(nccl: None, hook: Callable) -> 
     assert traced_syncs["training"] == untraced_syncs["training"], (dict(traced_syncs), dict(untraced_syncs))
 
 
+def test_a_replica_fingerprint_on_cuda_never_synchronizes_and_equals_the_cpu_ones(nccl: None, monkeypatch) -> None:
+    """Fingerprinted after every step: the training thread synchronizes no more than untraced (not at
+    all), the fingerprint is served at a later step or by flush(), and it is the fingerprint of the
+    same parameters copied to the host (the CPU path)."""
+    from tensorplay.telemetry import replica_sync
+    from tensorplay.telemetry.fingerprint import sample_indices, take_sample
+
+    monkeypatch.setattr(replica_sync, "_every", 1)
+    sampled: list[list[torch.Tensor]] = []  # the parameters of each fingerprint, in its order
+
+    def noting(parameters: list[torch.Tensor], indices: list[torch.Tensor]) -> Any:
+        sampled.append(list(parameters))
+        return take_sample(parameters, indices)
+
+    monkeypatch.setattr(replica_sync, "take_sample", noting)
+
+    def syncs_in_steps(hook: Callable) -> collections.Counter:
+        with _training_on_cuda():
+            model = DDP(training.make_model(), bucket_cap_mb=training.BUCKET_CAP_MB)
+            batches = [training.rank_batch(0, step) for step in range(4)]
+        model.register_comm_hook(None, hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        total: collections.Counter = collections.Counter()
+        for batch in batches:
+            optimizer.zero_grad()
+            model(batch).square().mean().backward()
+            with _counting_syncs() as syncs:
+                optimizer.step()  # the fingerprint is taken (and an earlier one published) in its post hook
+            total.update(syncs)
+        return total
+
+    untraced = syncs_in_steps(default_hooks.allreduce_hook)
+    sink = memory_sink()
+    traced_syncs = syncs_in_steps(sink.traced(default_hooks.allreduce_hook))
+    assert traced_syncs["training"] == untraced["training"] == 0, (dict(traced_syncs), dict(untraced))
+    assert flush(60)  # publishes the last step's fingerprint once its copy happened
+    step, served = sink.metrics.replica_fingerprints.get("0")
+    assert sampled and any(p.is_cuda for p in sampled[-1])
+    on_host = [p.detach().cpu() for p in sampled[-1]]
+    assert served == take_sample(on_host, [sample_indices(p.numel()) for p in on_host]).value()
+    # Earlier ones rode on the last hook span of a later iteration, once served: each once, in order.
+    carried = [span[Attr.REPLICA_FINGERPRINT_STEP] for span in sink.spans() if Attr.REPLICA_FINGERPRINT in span]
+    assert carried == sorted(set(carried)) and all(taken < step for taken in carried), (carried, step)
+
+
 # -- what the finisher never waits for, and never drops -------------------------------------------
 
 BUSY_CYCLES = 15_000_000_000
@@ -522,7 +567,7 @@ def test_a_long_run_keeps_records_events_and_device_memory_flat(nccl: None) -> N
     # Each record's figures are 0-dim device tensors (512 bytes each in the caching allocator):
     # a record kept per step would add over 1 MB here.
     assert late["device bytes"] <= early["device bytes"] + 64 * 1024, footprints
-    assert exporter.exported == SOAK_STEPS
+    assert exporter.exported == 2 * SOAK_STEPS  # a hook span (one bucket) and an optimizer step span per step
     assert metrics.collectives_in_flight.in_flight("0") == 0
 
 

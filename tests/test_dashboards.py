@@ -373,5 +373,6 @@ def test_contract_names_match_the_library():
 def test_recording_rule_names_follow_level_metric_operations():
     for name in recording_rule_names():
         level, metric, operations = name.split(":")
-        assert level in ("job", "job_hook", "job_hook_quantile", "job_rank", "job_rank_hook") and operations, name
+        assert level in ("job", "job_hook", "job_hook_quantile", "job_rank", "job_rank_hook", "job_step",
+                         "job_step_fingerprint") and operations, name
         assert metric.startswith("tensorplay_") and not metric.endswith("_total"), name

@@ -100,6 +100,40 @@ def test_three_ranks_uneven_inputs_are_no_straggler(three_ranks_uneven: Demo) ->
     assert "uneven inputs: rank 0 shadowed 6, rank 1 shadowed 3 iterations inside Join" in demo.stdout
 
 
+def _starting(demo: Demo, starts: list[str]) -> None:
+    lines = demo.stdout.splitlines()
+    for start in starts:
+        assert any(line.startswith(start) for line in lines), (start, demo.stdout)
+
+
+def test_a_no_sync_around_the_backward_only_is_named_with_what_to_do(two_ranks: Demo) -> None:
+    # 12 batches, 2 per optimizer step: every batch reduced anyway. The spans show the 5 steps a
+    # later iteration followed; step 5's fingerprint rode on the iteration after it.
+    _starting(two_ranks, [
+        "gradient reductions: 2 per optimizer step on every rank (5 steps each): if these are the micro-batches of "
+        "gradient accumulation, no_sync() wraps only the backward: wrap the forward too",
+        "unreduced optimizer steps: none",
+        "replica fingerprints: equal on every rank at the 1 step compared (5)",
+        "injected: no_sync() wraps only the backward of 1 of every 2 batches (it takes no effect)",
+    ])
+
+
+def test_a_no_sync_that_never_ends_is_named_with_what_to_do(two_ranks_never_synced: Demo) -> None:
+    # 10 steps, only the first reduced: after it no hook is called, so steps 2 to 10 (and their
+    # fingerprints, at 5 and 10) are known from their own spans.
+    demo = two_ranks_never_synced
+    assert demo.returncode == 0, demo.stderr
+    _starting(demo, [
+        "gradient reductions: 0.10 per optimizer step on every rank (10 steps each): some steps' gradients were never reduced",
+        "unreduced optimizer steps: rank 0: 9 of 10, rank 1: 9 of 10, the first at step 2: each such step trained its rank "
+        "on its own gradients, and the replicas drift apart -- a no_sync() that is never left? End no_sync() before the "
+        "micro-batch whose backward precedes the step",
+        "replica fingerprints: differ at 2 of the 2 steps compared, from step 5 on, where 2 different fingerprints were "
+        "held and the ranks split evenly",
+        "injected: no_sync() entered after the first optimizer step and never left",
+    ])
+
+
 def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     demo = start_demo(tmp_path, 2, "--steps", "100000")
     try:
@@ -123,6 +157,9 @@ BAD_FLAGS = [
     (["--steps", "many"], "invalid int value: 'many'"),
     (["--straggler-batch-factor", "0"], "--straggler-batch-factor must be at least 1"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--accumulation-steps", "0"], "--accumulation-steps must be at least 1"),
+    (["--no-sync-bug", "backward-only", "--accumulation-steps", "1"], "--no-sync-bug backward-only needs batches to accumulate"),
+    (["--no-sync-bug", "sometimes"], "invalid choice: 'sometimes'"),
 ]
 
 

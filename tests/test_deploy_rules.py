@@ -22,13 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 RULE_TESTS = sorted((ROOT / "tests" / "rules").glob("*.yml"))
 CONTRACT_ALERTS = {
-    # alert: the labels the contract gives it (section 4), besides severity; `job` is added to all
+    # alert: the labels the contract gives it (sections 4 and 7), besides severity; `job` is added to all
     "TensorplayStragglerRank": {"rank"},
     "TensorplayUnevenInputs": {"rank"},
     "TensorplayRankStalled": {"rank"},
     "TensorplayJobHung": {"job"},
     "TensorplayRankMetricsMissing": {"rank"},
     "TensorplayGradientOverflow": {"rank", "hook"},
+    # section 7
+    "TensorplayReplicasDiverged": {"job"},
+    "TensorplayGradientsNotReduced": {"rank"},
 }
 ALERT_LABELS = CONTRACT_ALERTS  # an alert beyond the contract would be documented in docs/telemetry.md
 RUNBOOK_BASE = "https://github.com/tensorplay/tensorplay/blob/main/deploy/RUNBOOK.md#"

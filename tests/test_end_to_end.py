@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -159,7 +160,8 @@ def run_scraped_demo(prometheus, tmp_path: Path, job: str, world_size: int, *fla
 
 # Panels that show problems these runs do not have: ranks waiting inside a collective, stalled or
 # no longer scraped (a healthy run's training is over: its ranks linger in no collective, all
-# scraped), overflowing compression. Empty, as are the telemetry-error panels.
+# scraped), overflowing compression, replicas apart, unreduced steps. Empty, as are the
+# telemetry-error panels.
 PANELS_EMPTY_AFTER_TRAINING = {
     "Longest and shortest wait inside a collective, by job",
     "Seconds waiting inside a collective now (top $topk ranks)",
@@ -167,6 +169,8 @@ PANELS_EMPTY_AFTER_TRAINING = {
     "Ranks no longer scraped (last 30 min)",
     "Ranks no longer scraped, longest gone (top $topk)",
     "Most non-finite elements made in 5m (top $topk ranks)",
+    "Ranks holding a minority fingerprint (top $topk)",
+    "Most unreduced optimizer steps (top $topk ranks)",
 }
 
 
@@ -585,3 +589,118 @@ def _is_demo_process(pid: int) -> bool:
         return b"tensorplay" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+# -- a job trained right, silent for minutes: its run overlaps the tests above ----------------------
+#
+# The replica rules compare fingerprints over 2 minutes and unreduced steps over 5: their silence on
+# a healthy job means something only over minutes of scrapes. So the job and its own Prometheus
+# start with the module's first test (when this check is selected) and run beside the others, and
+# the last test of the module looks at all of it, waiting only for what the others' runtime did not
+# cover. It is paced so that it takes little of the machine and so that each fingerprint is held
+# for several scrapes (the rules compare the ranks at a step both were scraped at: fingerprints a
+# fraction of a second apart would hardly ever be): rank 1 sleeps 50 ms per batch, as a slow data
+# loader would, and the job steps at its pace; at a lower CPU priority besides (nice 10), so that
+# the others' timing is not this job's.
+
+SILENT_S = 150.0  # of scrapes of each rank and rule evaluations, every second
+COMPARED_STEPS = 10  # fingerprint steps both ranks were scraped at, at least
+TRAINED_RIGHT_JOB = "e2e-replicas"
+TRAINED_RIGHT_TEST = "test_a_job_trained_right_stays_silent_for_minutes_of_scrapes"
+
+
+@dataclass
+class TrainedRight:
+    """2 ranks accumulating gradients as they should, scraped by their own Prometheus since ``started``."""
+
+    server: PrometheusServer
+    demo: DemoProcess
+    started: float
+
+
+@pytest.fixture(scope="module")
+def trained_right(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedRight]:
+    """allreduce_hook, 4 batches of 8 per optimizer step, no_sync() around the forward and backward of
+    the first 3, rank 1 sleeping 50 ms per batch; a fingerprint every 10 optimizer steps (the ranks
+    inherit TENSORPLAY_FINGERPRINT_EVERY): about one in 2 s, held for 2 scrapes or more."""
+    port = free_base_port(2)
+    server = PrometheusServer([f"127.0.0.1:{port + rank}" for rank in range(2)], tmp_path_factory.mktemp("prometheus"),
+                              job=TRAINED_RIGHT_JOB).start()
+    started = time.time()
+    try:
+        with pytest.MonkeyPatch.context() as environment:
+            environment.setenv("TENSORPLAY_FINGERPRINT_EVERY", "10")
+            demo = start_demo(tmp_path_factory.mktemp("trained-right"), 2, "--steps", "10000000", "--hook",
+                              "allreduce_hook", "--batch-size", "8", "--accumulation-steps", "4", "--straggler-rank",
+                              "1", "--straggler-delay-ms", "50", "--stall-timeout-s", "600", port=port, niceness=10)
+    except BaseException:
+        server.stop()
+        raise
+    try:
+        yield TrainedRight(server, demo, started)
+    finally:
+        demo.stop()
+        server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trained_right_from_the_first_test(request: pytest.FixtureRequest) -> None:
+    """Start :func:`trained_right` with the module's first test, if its check is among the tests run."""
+    if any(item.name == TRAINED_RIGHT_TEST for item in request.session.items):
+        request.getfixturevalue("trained_right")
+
+
+def _replica_alerts_ever(server: PrometheusServer, job: str, start: float, end: float) -> list[dict]:
+    """Every evaluation at which TensorplayReplicasDiverged or TensorplayGradientsNotReduced was pending or firing."""
+    return server.query_range(
+        f'ALERTS{{job="{job}", alertname=~"TensorplayReplicasDiverged|TensorplayGradientsNotReduced"}}', start, end, 1.0)
+
+
+def _steps_both_ranks_served(server: PrometheusServer, job: str, start: float, end: float) -> dict[int, set[float]]:
+    """``{fingerprint step: the fingerprints scraped at it}`` of the steps both ranks were scraped at,
+    from the raw samples (what the rules compare)."""
+    held: dict[tuple[str, int], float] = {}
+    steps = {s["metric"]["rank"]: s["values"] for s in server.query_range(
+        f'tensorplay_replica_fingerprint_step{{job="{job}"}}', start, end, 1.0)}
+    fingerprints = {s["metric"]["rank"]: dict(s["values"]) for s in server.query_range(
+        f'tensorplay_replica_fingerprint{{job="{job}"}}', start, end, 1.0)}
+    for rank, values in steps.items():
+        for at, step in values:
+            held[(rank, int(float(step)))] = float(fingerprints[rank][at])
+    by_step: dict[int, dict[str, float]] = {}
+    for (rank, step), fingerprint in held.items():
+        by_step.setdefault(step, {})[rank] = fingerprint
+    return {step: set(ranks.values()) for step, ranks in by_step.items() if len(ranks) == 2}
+
+
+@pytest.mark.timeout(SILENT_S + 200)
+def test_a_job_trained_right_stays_silent_for_minutes_of_scrapes(trained_right: TrainedRight) -> None:
+    """Keep this test the module's last. Scraped and evaluated every second for SILENT_S since both
+    ranks' first fingerprint was scraped: the raw samples hold many steps both ranks were scraped at,
+    with one fingerprint each; the rules counted one fingerprint per step at every evaluation, no
+    unreduced step, one gradient reduction per optimizer step; TensorplayReplicasDiverged and
+    TensorplayGradientsNotReduced were never even pending."""
+    server, demo, job = trained_right.server, trained_right.demo, TRAINED_RIGHT_JOB
+    first = demo.wait_for(
+        "both ranks' first fingerprint scraped",
+        lambda: (lambda r: r if len(r) == 2 else None)(server.query_range(
+            f'tensorplay_replica_fingerprint{{job="{job}"}}', trained_right.started, time.time(), 1.0)),
+        RUN_TIMEOUT_S)
+    start = max(float(series["values"][0][0]) for series in first)
+    time.sleep(max(0.0, start + SILENT_S - time.time()))  # what the tests before did not cover
+    demo.wait_for(f"{COMPARED_STEPS} fingerprint steps both ranks were scraped at",
+                  lambda: len(_steps_both_ranks_served(server, job, start, time.time())) >= COMPARED_STEPS, RUN_TIMEOUT_S)
+    end = time.time()
+    compared = _steps_both_ranks_served(server, job, start, end)
+    print(f"\nsilent run: {len(compared)} fingerprint steps scraped on both ranks in {end - start:.0f} s")
+    assert all(len(fingerprints) == 1 for fingerprints in compared.values()), compared
+    distinct = server.query_range(f'max(job_step:tensorplay_replica_fingerprint:distinct2m{{job="{job}"}})',
+                                  start, end, 1.0)
+    assert distinct and {float(v) for _, v in distinct[0]["values"]} == {1.0}, distinct
+    unreduced = server.query_range(f'sum(job_rank:tensorplay_unreduced_optimizer_steps:increase5m{{job="{job}"}})',
+                                   start, end, 1.0)
+    assert unreduced and {float(v) for _, v in unreduced[0]["values"]} == {0.0}, unreduced
+    per_step = server.query(f'job_rank:tensorplay_gradient_reductions:per_optimizer_step5m{{job="{job}"}}')
+    # A scrape may fall between a step's reduction (in its backward) and the step: 1 within that.
+    assert [float(s["value"][1]) for s in per_step] == [pytest.approx(1.0, abs=0.01)] * 2, per_step
+    assert _replica_alerts_ever(server, job, start, end) == []

@@ -161,11 +161,19 @@ def test_lightning_traced_hook_trains_exactly_as_torchs_bf16_hook(lightning_run:
         assert _equal(traced_run, _parameters(lightning_run / "rank0-traced.pt"))
 
 
+def _sync_counts(samples: Samples, rank: int) -> tuple[float, float, float]:
+    """(optimizer steps, gradient reductions, unreduced steps) a rank served."""
+    return tuple(_value(samples, f"tensorplay_{name}_total", rank=str(rank))  # type: ignore[return-value]
+                 for name in ("optimizer_steps", "gradient_reductions", "unreduced_optimizer_steps"))
+
+
 def test_lightning_every_rank_serves_its_metrics(lightning_run: Path) -> None:
     for rank in RANKS:
         samples = _served(lightning_run, rank)
         assert _value(samples, "tensorplay_bucket_bytes_total", rank=str(rank), hook="bf16_compress_hook") > 0
         assert _value(samples, "tensorplay_step_compute_seconds_count", rank=str(rank)) >= 3  # 4 steps, 1 bucket
+        # accumulate_grad_batches=2: 4 optimizer steps of 2 batches, the first inside no_sync(): 1 reduction each.
+        assert _sync_counts(samples, rank) == (4, 4, 0)
 
 
 def _assert_unique_span_ids(out_dir: Path) -> None:
@@ -174,6 +182,14 @@ def _assert_unique_span_ids(out_dir: Path) -> None:
     for rank in RANKS:
         spans = [json.loads(line) for line in (out_dir / f"spans-rank{rank}.jsonl").read_text().splitlines()]
         assert len(spans) >= 4 and {s["name"] for s in spans} == {"tensorplay.comm_hook"}
+        # Each traced fit's model: one reduced iteration before each of its 4 optimizer steps (the
+        # last hook span of each says how many steps came before it).
+        counts: dict[int, list[int]] = {}
+        for s in spans:
+            if "tensorplay.optimizer.steps" in s["attributes"]:
+                counts.setdefault(s["attributes"]["tensorplay.optimizer.model"], []).append(
+                    s["attributes"]["tensorplay.optimizer.steps"])
+        assert counts and all(sorted(model) == [0, 1, 2, 3] for model in counts.values()), counts
         assert {s["resource"]["attributes"]["tensorplay.rank"] for s in spans} == {rank}  # Lightning sets no RANK
         assert {s["attributes"]["tensorplay.rank"] for s in spans} == {rank}
         for span in spans:
@@ -193,6 +209,7 @@ def test_lightning_spawn_start_trains_traced_powersgd_exactly_as_torch(lightning
         samples = _served(lightning_spawn_run, rank)
         assert _value(samples, "tensorplay_bucket_bytes_total", rank=str(rank), hook="powerSGD_hook") > 0
         assert _value(samples, "tensorplay_compression_error_ratio_count", rank=str(rank), hook="powerSGD_hook") >= 1
+        assert _sync_counts(samples, rank) == (4, 4, 0)
         traced_run = _parameters(lightning_spawn_run / f"rank{rank}-traced-powerSGD.pt")
         assert _equal(traced_run, _parameters(lightning_run / f"rank{rank}-torch-powerSGD.pt"))
         assert not _equal(traced_run, _parameters(lightning_run / f"rank{rank}-torch.pt"))  # another hook: not the same
@@ -211,9 +228,11 @@ def test_lightning_callback_refuses_what_it_cannot_serve(lightning_spawn_run: Pa
 
 
 def test_accelerate_launch_serves_every_ranks_join(accelerate_run: Path) -> None:
-    """Rank r had 3 + 2r batches: rank 0 shadowed rank 1's last 2 iterations."""
+    """Rank r had 3 + 2r batches, 2 per optimizer step: rank 0 stepped once and shadowed rank 1's last 2
+    iterations (stepping nothing), rank 1 stepped twice; one gradient reduction per step."""
     for rank in RANKS:
         samples = _served(accelerate_run, rank)
+        assert _sync_counts(samples, rank) == (1 + rank, 1 + rank, 0)
         assert _value(samples, "tensorplay_joins_total", rank=str(rank)) == 1
         assert _value(samples, "tensorplay_join_shadow_iterations", rank=str(rank)) == 2 * (1 - rank)
         assert _value(samples, "tensorplay_join_wait_seconds_count", rank=str(rank)) == 1

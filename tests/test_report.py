@@ -32,7 +32,7 @@ from tensorplay.report import build_report
 from tensorplay.report.build import ModelReport, Report
 from tensorplay.report.cli import demo_report_line
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
-from tensorplay.telemetry.names import HOOK_SPAN_NAME, Attr
+from tensorplay.telemetry.names import HOOK_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr
 
 from .chromium import chromium_path, visit
 from .demo_runs import Demo
@@ -222,7 +222,50 @@ def test_the_demo_table_and_the_page_show_the_analysis_figure_for_figure(
 def test_the_command_prints_the_verdict_line(two_ranks_straggler: Demo, tmp_path: Path, capsys) -> None:
     code, out, _ = _run_report(capsys, str(two_ranks_straggler.run_dir), "--out", str(tmp_path / "page.html"))
     assert code == 0
-    assert out.splitlines() == [two_ranks_straggler.verdict(), f"report: {tmp_path / 'page.html'}"]
+    lines = out.splitlines()
+    assert [lines[0], lines[-1]] == [two_ranks_straggler.verdict(), f"report: {tmp_path / 'page.html'}"]
+    # 10 optimizer steps per rank, fingerprinted after steps 5 and 10 (the demo's interval): the
+    # spans show the 9 steps a later iteration followed, and step 5's fingerprint, which rode on the
+    # iteration after it (step 10's had none after it).
+    assert lines[1:-1] == [
+        "gradient reductions: 1 per optimizer step on every rank (9 steps each): as it should be, each step's "
+        "gradients reduced once",
+        "unreduced optimizer steps: none (every step followed a reduction of the models it updated)",
+        "replica fingerprints: equal on every rank at the 1 step compared (5): the replicas are the same model",
+    ]
+    assert {json.loads(line)["name"] for line in RunDir(two_ranks_straggler.run_dir).spans(0).read_text().splitlines()} \
+        == {HOOK_SPAN_NAME}  # no span but the hook calls': no optimizer step went unreduced
+
+
+def test_unreduced_steps_after_the_last_hook_call_are_named_from_their_own_spans(
+        two_ranks_never_synced: Demo, tmp_path: Path, capsys) -> None:
+    """no_sync() entered after the first step and never left: no hook call follows, each unreduced
+    step's span says so; a damaged one is skipped and named, the rest still counted."""
+    code, out, _ = _run_report(capsys, str(two_ranks_never_synced.run_dir), "--out", str(tmp_path / "page.html"))
+    assert code == 0
+    lines = out.splitlines()
+    demo_lines = two_ranks_never_synced.stdout.splitlines()
+    assert lines[1:4] == [line for line in demo_lines if line.startswith(("gradient reductions:", "unreduced optimizer",
+                                                                          "replica fingerprints:"))]
+    assert lines[2].startswith("unreduced optimizer steps: rank 0: 9 of 10, rank 1: 9 of 10, the first at step 2:")
+    assert '<section class="verdict" id="sync">' in (tmp_path / "page.html").read_text()
+
+    copy = _copy_spans(two_ranks_never_synced, tmp_path, [0, 1])
+    unreduced = [number for number, line in enumerate(copy.spans(0).read_text().splitlines())
+                 if json.loads(line)["name"] == OPTIMIZER_STEP_SPAN_NAME]
+    assert len(unreduced) == 9
+    _rewrite(copy.spans(0), {
+        unreduced[-1]: lambda span: span["attributes"].update({Attr.OPTIMIZER_STEPS: 10**9}),  # step 10's
+        unreduced[0]: lambda span: span["attributes"].pop(Attr.OPTIMIZER_MODEL),  # step 2's
+    })
+    code, out, err = _run_report(capsys, str(copy.path), "--out", str(tmp_path / "page.html"))
+    assert code == 2
+    assert (f"spans-rank0.jsonl: line {unreduced[-1] + 1}: implausible values (a damaged line?): "
+            f"{Attr.OPTIMIZER_STEPS} = 1000000000") in err
+    assert f"spans-rank0.jsonl: line {unreduced[0] + 1}: spans of an unknown version: " \
+           f"{OPTIMIZER_STEP_SPAN_NAME} without an integer in {Attr.OPTIMIZER_MODEL}" in err
+    # Rank 0's steps 3 to 9 are still read: step 2's number is implied by the count of step 3's.
+    assert "unreduced optimizer steps: rank 0: 8 of 9, rank 1: 9 of 10, the first at step 2:" in out
 
 
 def test_the_cost_share_is_drawn_per_rank(two_ranks_straggler: Demo) -> None:
@@ -270,7 +313,7 @@ def test_one_hook_on_two_models_is_reported_per_model(tmp_path: Path, capsys) ->
     code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
     assert code == 0 and "more than one run" not in err, err
     assert [line.split(":")[0] for line in out.splitlines()] == [
-        "straggler (model 0)", "straggler (model 1)", "report"]
+        "straggler (model 0)", "straggler (model 1)", "gradient synchronisation", "report"]  # no optimizer here
     spans = read_spans(tmp_path)
     report = build_report(tmp_path)
     assert [part.summary.model for part in report.models] == [0, 1] and not report.problems

@@ -1,14 +1,14 @@
 """tensorplay's alerts on a 64-rank job, the small version of bench/rules_at_scale.py.
 
-Eight synthetic jobs (tests/synthetic_job.py, shaped from the real exposition) of 64 ranks and
+Nine synthetic jobs (tests/synthetic_job.py, shaped from the real exposition) of 64 ranks and
 16 minutes -- enough for the straggler rule's three 5m windows and its `for: 2m` -- are
 backfilled, with the recording rules, into one Debian Prometheus; each alert expression is
 evaluated at the end and must have held for its `for:`. The expected ranks come from the
 generator (which ranks it made slow, how many iterations each shadowed, how many elements each
-made non-finite) and, for the stragglers, also from tensorplay/analysis/straggler.py's rule on
-the windows Prometheus recorded. The rule's Python run over simulated steps
-(tests/rule_simulation.py, what the bench runs for a day of 10,000 ranks) is checked here on a
-small job.
+made non-finite, which stopped reducing) and, for the stragglers, also from
+tensorplay/analysis/straggler.py's rule on the windows Prometheus recorded. The rule's Python run
+over simulated steps (tests/rule_simulation.py, what the bench runs for a day of 10,000 ranks) is
+checked here on a small job.
 
 promtool and prometheus are required: a missing one fails the tests (CI installs Debian's
 `prometheus`).
@@ -174,6 +174,29 @@ def test_an_overflow_fires_once_per_job_and_hook_naming_the_worst_rank(fired) ->
         assert int(alert.labels["rank"]) == int(np.argmax(totals)) and alert.value == totals.max()
     assert notifications(overflow) == 1  # Alertmanager groups by alertname and job: both hooks in one
     assert not any(_ranks(by_job[j], "TensorplayGradientOverflow") for j in jobs if j != job.scenario.job)
+
+
+def test_unreduced_steps_on_one_node_fire_once_per_job_naming_the_worst_rank_and_the_minority(fired, backfilled) -> None:
+    """Node 1's 8 ranks stop reducing halfway (each a scrape after the one before): they take unreduced
+    steps and each holds a fingerprint of its own. One TensorplayGradientsNotReduced names the rank
+    that took the most; one TensorplayReplicasDiverged, whose minority is exactly those ranks."""
+    jobs, by_job = fired
+    _, server, at = backfilled
+    job = _scenario(jobs, unreduced_ranks=tuple(range(RANKS_PER_NODE, 2 * RANKS_PER_NODE)))
+    name = job.scenario.job
+    (not_reduced,) = [a for a in by_job[name] if a.labels["alertname"] == "TensorplayGradientsNotReduced"]
+    (family,) = [f for f in job.families if f.name == Metric.UNREDUCED_OPTIMIZER_STEPS]
+    ((_, values),) = job.values(family, 0, RANKS)
+    totals = values[:, -1]
+    assert int(not_reduced.labels["rank"]) == int(np.argmax(totals)) == RANKS_PER_NODE and not_reduced.value == totals.max()
+    (diverged,) = [a for a in by_job[name] if a.labels["alertname"] == "TensorplayReplicasDiverged"]
+    assert diverged.value == RANKS_PER_NODE + 1  # the majority's fingerprint and one per rank of the node
+    minority = server.query(f'job_rank:tensorplay_replica_fingerprint:minority{{job="{name}"}}', at)
+    assert {int(s["metric"]["rank"]) for s in minority} == set(job.scenario.unreduced_ranks)
+    for other in jobs:
+        if other != name:
+            assert not {a.labels["alertname"] for a in by_job[other]} & {"TensorplayGradientsNotReduced",
+                                                                        "TensorplayReplicasDiverged"}, other
 
 
 def test_no_other_alert_fires(fired) -> None:

@@ -18,7 +18,9 @@ and a step, bucket index or model index beyond :data:`IMPLAUSIBLE_SPREAD` times 
 the run's hook spans plus :data:`IMPLAUSIBLE_SLACK` -- the report lays out steps x buckets per rank,
 so one line claiming step 10^9 would otherwise have it allocate tens of GiB. Steps and buckets of
 a run are spread evenly from 0, so their median is about half their largest value: only a line
-far beyond all the others meets the bound.
+far beyond all the others meets the bound. The optimizer step counts spans carry
+(``tensorplay.optimizer.steps``, :class:`OptimizerSteps`) are bounded the same way, against their
+own median.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ try:  # the report extra brings orjson: JSON parsing is most of the time a large
 except ImportError:  # pragma: no cover - the standard library parses the same lines, three times slower
     from json import loads as _fast_loads
 
-from tensorplay.telemetry.names import ADVICE_SPAN_NAME, HOOK_SPAN_NAME, JOIN_SPAN_NAME, Attr, Candidate
+from tensorplay.telemetry.names import ADVICE_SPAN_NAME, HOOK_SPAN_NAME, JOIN_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr, Candidate
 
-__all__ = ["HookSpans", "JoinSpan", "AdviceSpan", "Spans", "NoSpans", "span_files", "read_spans", "merge_spans",
+__all__ = ["HookSpans", "JoinSpan", "AdviceSpan", "OptimizerSteps", "Spans", "NoSpans", "span_files", "read_spans",
+           "merge_spans",
            "PARALLEL_BYTES", "IMPLAUSIBLE_SPREAD", "IMPLAUSIBLE_SLACK"]
 
 PARALLEL_BYTES = 64 * 2**20
@@ -132,6 +135,32 @@ class AdviceSpan:
 
 
 @dataclass
+class OptimizerSteps:
+    """Where the spans count a traced model's optimizer steps (docs/telemetry.md, "Replicas"), a row each.
+
+    The last hook span of each iteration a traced hook reduced gives the steps that updated its
+    model before the iteration; the ``tensorplay.optimizer_step`` span of an optimizer step that
+    updated a model with no reduction since its previous step (a bug) gives that model's steps up
+    to it. Either may carry the rank's latest replica fingerprint and the step it was taken after.
+    """
+
+    rank: np.ndarray
+    model: np.ndarray
+    """Which traced model of its rank (``tensorplay.optimizer.model``: 0, 1, ... in the order first reduced)."""
+    steps: np.ndarray
+    """The model's optimizer steps counted so far: before the iteration, or up to and with the unreduced step."""
+    unreduced: np.ndarray
+    """True on the span of an unreduced step, False on a hook span."""
+    fingerprint_step: np.ndarray
+    """The step (per process, from 1) the fingerprint was taken after; -1 where the span carries none."""
+    fingerprint: np.ndarray
+    """-1 where the span carries none."""
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+
+@dataclass
 class Spans:
     """What was read, and what could not be."""
 
@@ -143,6 +172,7 @@ class Spans:
     """Per file name, each world size its spans say (their resource's ``tensorplay.world_size``, else
     their own) and how many spans say it; spans that say none are not counted."""
     advice: list[AdviceSpan] = field(default_factory=list)
+    optimizer_steps: OptimizerSteps = field(default_factory=lambda: _merge_steps([]))
 
 
 def span_files(source: Path) -> list[Path]:
@@ -198,6 +228,12 @@ _SPREAD_COLUMNS = tuple(_INT_COLUMNS.index(name) for name in ("step", "bucket", 
 _ATTRIBUTE_OF = dict(zip(_READ_COLUMNS, (Attr.RANK, Attr.MODEL, Attr.STEP, Attr.BUCKET_INDEX, Attr.BUCKET_BYTES,
                                          Attr.BUCKET_WIRE_BYTES, Attr.COMPRESSION_NONFINITE, Attr.BUCKET_NONFINITE,
                                          Attr.HOOK, Attr.WORLD_SIZE)))
+_OPTIMIZER_MODEL, _OPTIMIZER_STEPS = Attr.OPTIMIZER_MODEL, Attr.OPTIMIZER_STEPS
+_FINGERPRINT, _FINGERPRINT_STEP = Attr.REPLICA_FINGERPRINT, Attr.REPLICA_FINGERPRINT_STEP
+_STEP_COLUMNS = ("rank", "model", "steps", "unreduced", "fingerprint_step", "fingerprint")
+_STEP_READ_COLUMNS = (*_STEP_COLUMNS, "line")
+_STEP_COUNT, _STEP_LINE = _STEP_COLUMNS.index("steps"), len(_STEP_COLUMNS)
+_STEP_INTS = (Attr.RANK, Attr.OPTIMIZER_MODEL, _OPTIMIZER_STEPS, Attr.OPTIMIZER_UNREDUCED)
 _IMPLAUSIBLE = "implausible values (a damaged line?)"
 
 
@@ -214,14 +250,16 @@ class _FileSpans:
     floats: np.ndarray
     hook_names: list[str]
     joins: list[JoinSpan]
-    join_world_sizes: list[int]
-    """The world size each join span says (0: none), in the order of :attr:`joins`."""
+    other_world_sizes: list[int]
+    """The world size each join and optimizer step span says (0: none)."""
     problems: _FileProblems
+    steps: np.ndarray
+    """Rows of :data:`_STEP_READ_COLUMNS`: the optimizer step counts its spans carry."""
     advice: list[AdviceSpan] = field(default_factory=list)
 
     def world_sizes(self) -> dict[int, int]:
         """Each world size the file's spans say, and how many spans say it."""
-        sizes, counts = np.unique(np.concatenate([self.ints[:, _WORLD_COLUMN], self.join_world_sizes]).astype(np.int64),
+        sizes, counts = np.unique(np.concatenate([self.ints[:, _WORLD_COLUMN], self.other_world_sizes]).astype(np.int64),
                                   return_counts=True)
         return {int(size): int(count) for size, count in zip(sizes, counts) if size > 0}
 
@@ -234,7 +272,8 @@ class _FileReader:
         self._floats = array("d")
         self._hooks: dict[str, int] = {}
         self._joins: list[JoinSpan] = []
-        self._join_world_sizes: list[int] = []
+        self._steps = array("q")
+        self._other_world_sizes: list[int] = []
         self._advice: list[AdviceSpan] = []
         self._clock = _Clock()
 
@@ -260,7 +299,8 @@ class _FileReader:
                     problems.add("spans of an unknown version", number, problem)
         return _FileSpans(np.array(self._ints, dtype=np.int64).reshape(-1, len(_READ_COLUMNS)),
                           np.array(self._floats, dtype=np.float64).reshape(-1, len(_FLOAT_COLUMNS)),
-                          list(self._hooks), self._joins, self._join_world_sizes, problems, self._advice)
+                          list(self._hooks), self._joins, self._other_world_sizes, problems,
+                          np.array(self._steps, dtype=np.int64).reshape(-1, len(_STEP_READ_COLUMNS)), self._advice)
 
     def _add(self, span: Any, line: int) -> str | None:
         """Add one parsed span; return what makes it unreadable, or None."""
@@ -270,6 +310,8 @@ class _FileReader:
                 self._add_hook(span, attributes, line)
             elif name == JOIN_SPAN_NAME:
                 self._add_join(span, attributes)
+            elif name == OPTIMIZER_STEP_SPAN_NAME:
+                self._add_step(span, attributes, line)
             elif name == ADVICE_SPAN_NAME:
                 self._add_advice(span, attributes)
             elif isinstance(name, str) and name.startswith(_TENSORPLAY_PREFIX):
@@ -296,9 +338,13 @@ class _FileReader:
                              attributes.get(_COMMUNICATION, _NAN)))
         if not isinstance(hook, str):
             raise TypeError("a hook name that is not a string")
+        steps = attributes.get(_OPTIMIZER_STEPS)
+        step_row = None if steps is None else _step_row(rank, attributes, steps, False, line)
         hooks.setdefault(hook, len(hooks))
         self._ints.extend(ints)
         self._floats.extend(floats)
+        if step_row is not None:
+            self._steps.extend(step_row)
 
     def _add_join(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
         rank, shadowed = attributes[Attr.RANK], attributes[Attr.JOIN_SHADOW_ITERATIONS]
@@ -312,7 +358,17 @@ class _FileReader:
         self._joins.append(JoinSpan(rank, self._clock.unix_seconds(span["start_time"]),
                                     self._clock.unix_seconds(span["end_time"]), shadowed, float(wait_ms),
                                     bool(attributes.get(Attr.JOIN_LAST_JOINER, False))))
-        self._join_world_sizes.append(world_size)
+        self._other_world_sizes.append(world_size)
+
+    def _add_step(self, span: dict[str, Any], attributes: dict[str, Any], line: int) -> None:
+        """An unreduced optimizer step's span."""
+        rank = attributes[_RANK]
+        if isinstance(attributes[Attr.OPTIMIZER_UNREDUCED], bool) or not isinstance(attributes[Attr.OPTIMIZER_UNREDUCED], int):
+            raise TypeError(f"{Attr.OPTIMIZER_UNREDUCED} is not an integer")
+        row = _step_row(rank, attributes, attributes[_OPTIMIZER_STEPS], True, line)
+        world_size = _world_size(span, attributes, rank)
+        self._steps.extend(row)
+        self._other_world_sizes.append(world_size)
 
     def _add_advice(self, span: dict[str, Any], attributes: dict[str, Any]) -> None:
         ints = [attributes[name] for name in _ADVICE_INTS]
@@ -329,6 +385,23 @@ class _FileReader:
         self._advice.append(AdviceSpan(rank, int(attributes.get(Attr.MODEL, 0)), step, hook,
                                        self._clock.unix_seconds(span["start_time"]),
                                        self._clock.unix_seconds(span["end_time"]), bucket_bytes, candidates))
+
+
+def _step_row(rank: int, attributes: dict[str, Any], steps: int, unreduced: bool, line: int) -> array:
+    """A row of :data:`_STEP_READ_COLUMNS`, checked: whole numbers, a fingerprint with its step, none negative."""
+    model = attributes[_OPTIMIZER_MODEL]
+    for name, value in ((_RANK, rank), (_OPTIMIZER_MODEL, model), (_OPTIMIZER_STEPS, steps)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} is not an integer")
+        if value < 0:
+            raise _Implausible(f"{name} = {value} < 0")
+    if (_FINGERPRINT in attributes) != (_FINGERPRINT_STEP in attributes):
+        raise TypeError(f"{_FINGERPRINT} without {_FINGERPRINT_STEP}, or the other way round")
+    row = array("q", (rank, model, steps, unreduced, attributes.get(_FINGERPRINT_STEP, -1),
+                      attributes.get(_FINGERPRINT, -1), line))
+    if min(row[4], row[5]) < -1 or (_FINGERPRINT in attributes and min(row[4], row[5]) < 0):
+        raise _Implausible(f"a negative {_FINGERPRINT} or {_FINGERPRINT_STEP}")
+    return row
 
 
 def _world_size(span: dict[str, Any], attributes: dict[str, Any], rank: int) -> int:
@@ -358,8 +431,8 @@ def _describe(span: Any, error: Exception) -> str:
     if not isinstance(span, dict) or not isinstance(span.get("attributes"), dict):
         return "not an OpenTelemetry span as JsonLinesSpanExporter writes it"
     name, attributes = span.get("name"), span["attributes"]
-    ints, floats = {HOOK_SPAN_NAME: (_HOOK_INTS, _HOOK_FLOATS), ADVICE_SPAN_NAME: (_ADVICE_INTS, ())}.get(
-        name, (_JOIN_INTS, _JOIN_FLOATS))
+    ints, floats = {HOOK_SPAN_NAME: (_HOOK_INTS, _HOOK_FLOATS), ADVICE_SPAN_NAME: (_ADVICE_INTS, ()),
+                    OPTIMIZER_STEP_SPAN_NAME: (_STEP_INTS, ())}.get(name, (_JOIN_INTS, _JOIN_FLOATS))
     wrong = _wrong_type(attributes, ints, floats)
     if wrong is not None:
         return f"{name} without {wrong}"
@@ -425,7 +498,13 @@ def _read_files(files: list[Path]) -> list[_FileSpans]:
 
 
 def _drop_implausible(parts: list[_FileSpans]) -> None:
-    """Skip and count, in each file, the hook spans with values no run has (the module's docstring says which)."""
+    """Skip and count, in each file, the spans with values no run has (the module's docstring says which)."""
+    _drop_implausible_hooks(parts)
+    _drop_implausible_step_counts(parts)
+
+
+def _drop_implausible_hooks(parts: list[_FileSpans]) -> None:
+    """Skip and count the hook spans with values no run has, and the optimizer step counts they carried."""
     if not any(len(part.ints) for part in parts):
         return
     spread = np.concatenate([part.ints[:, _SPREAD_COLUMNS] for part in parts])
@@ -441,6 +520,25 @@ def _drop_implausible(parts: list[_FileSpans]) -> None:
         part.problems.add(_IMPLAUSIBLE, int(lines[first]), _why_implausible(rows[bad][first], medians, limits),
                           count=int(bad.sum()))
         part.ints, part.floats = rows[~bad], part.floats[~bad]
+        part.steps = part.steps[~np.isin(part.steps[:, _STEP_LINE], lines)]
+
+
+def _drop_implausible_step_counts(parts: list[_FileSpans]) -> None:
+    """Skip and count the optimizer step counts far beyond the run's others, as for steps of hook spans."""
+    counts = np.concatenate([np.zeros(0, np.int64)] + [part.steps[:, _STEP_COUNT] for part in parts])
+    if not len(counts):
+        return
+    median = float(np.median(counts))
+    limit = IMPLAUSIBLE_SPREAD * median + IMPLAUSIBLE_SLACK
+    for part in parts:
+        bad = part.steps[:, _STEP_COUNT] > limit
+        if bad.any():
+            first = int(np.argmin(part.steps[bad, _STEP_LINE]))
+            part.problems.add(_IMPLAUSIBLE, int(part.steps[bad, _STEP_LINE][first]),
+                              f"{_OPTIMIZER_STEPS} = {part.steps[bad, _STEP_COUNT][first]}, where the run's median is "
+                              f"{median:g} (more than {IMPLAUSIBLE_SPREAD} x {median:g} + {IMPLAUSIBLE_SLACK} is taken "
+                              f"for damage)", count=int(bad.sum()))
+            part.steps = part.steps[~bad]
 
 
 def _why_implausible(row: np.ndarray, medians: np.ndarray, limits: np.ndarray) -> str:
@@ -477,6 +575,14 @@ def _merge(parts: list[_FileSpans]) -> HookSpans:
     return HookSpans(**columns, hook_names=list(names))
 
 
+def _merge_steps(parts: list[_FileSpans]) -> OptimizerSteps:
+    """One set of optimizer step columns from every file's rows."""
+    merged = np.concatenate([np.zeros((0, len(_STEP_READ_COLUMNS)), np.int64)] + [part.steps for part in parts])
+    columns = {name: np.ascontiguousarray(merged[:, i]) for i, name in enumerate(_STEP_COLUMNS)}
+    columns["unreduced"] = columns["unreduced"].astype(bool)
+    return OptimizerSteps(**columns)
+
+
 def read_spans(source: Path) -> Spans:
     """Read every tensorplay span under ``source`` (a span file or a run directory).
 
@@ -491,18 +597,23 @@ def read_spans(source: Path) -> Spans:
     joins = [join for part in parts for join in part.joins]
     problems = [problem for part in parts for problem in part.problems.messages()]
     advice = [advice for part in parts for advice in part.advice]
-    if not len(hooks) and not joins:
+    steps = _merge_steps(parts)
+    if not len(hooks) and not joins and not len(steps):
         raise NoSpans("; ".join(problems) if problems else
                       f"no tensorplay spans in {', '.join(str(path) for path in files)}")
-    return Spans(hooks, joins, files, problems, {name: sizes for name, sizes in world_sizes.items() if sizes}, advice)
+    return Spans(hooks, joins, files, problems, {name: sizes for name, sizes in world_sizes.items() if sizes}, advice,
+                 steps)
 
 
 def merge_spans(parts: list[Spans]) -> Spans:
     """One :class:`Spans` from several reads (each rank's own file, gathered over the process group)."""
     as_rows = [_FileSpans(np.stack([getattr(part.hooks, name) for name in _INT_COLUMNS], axis=1),
                           np.stack([getattr(part.hooks, name) for name in _FLOAT_COLUMNS], axis=1),
-                          part.hooks.hook_names, part.joins, [], _FileProblems(Path())) for part in parts]
+                          part.hooks.hook_names, part.joins, [], _FileProblems(Path()),
+                          np.stack([getattr(part.optimizer_steps, name).astype(np.int64) for name in _STEP_COLUMNS]
+                                   + [np.zeros(len(part.optimizer_steps), np.int64)], axis=1))
+               for part in parts]
     return Spans(_merge(as_rows), [join for part in parts for join in part.joins],
                  [path for part in parts for path in part.files], [p for part in parts for p in part.problems],
                  {name: sizes for part in parts for name, sizes in part.world_sizes.items()},
-                 [advice for part in parts for advice in part.advice])
+                 [advice for part in parts for advice in part.advice], _merge_steps(as_rows))

@@ -24,7 +24,9 @@ __all__ = [
     "DEFAULT_STRAGGLER_BATCH_FACTOR",
     "STRAGGLER_KINDS",
     "DEFAULT_STALL_TIMEOUT_S",
+    "NO_SYNC_BUGS",
     "hang_step",
+    "accumulation_steps",
 ]
 
 DEFAULT_STEPS = 40
@@ -33,6 +35,8 @@ DEFAULT_STRAGGLER_DELAY_MS = 40.0
 DEFAULT_STRAGGLER_BATCH_FACTOR = 16
 STRAGGLER_KINDS = ("sleep", "batch")
 DEFAULT_STALL_TIMEOUT_S = 60.0
+NO_SYNC_BUGS = ("backward-only", "never-ends")
+BACKWARD_ONLY_ACCUMULATION = 4
 _HOOKS_ON_A_PROCESS_GROUP = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
                              "fp16_compress_wrapper(allreduce_hook)", "bf16_compress_wrapper(allreduce_hook)")
 
@@ -40,6 +44,13 @@ _HOOKS_ON_A_PROCESS_GROUP = ("allreduce_hook", "fp16_compress_hook", "bf16_compr
 def hang_step(args: argparse.Namespace) -> int:
     """The step at which ``--hang-rank`` stops: ``--hang-at-step``, else half of ``--steps``."""
     return args.hang_at_step if args.hang_at_step is not None else args.steps // 2
+
+
+def accumulation_steps(args: argparse.Namespace) -> int:
+    """Micro-batches per optimizer step: ``--accumulation-steps``, else 4 for ``--no-sync-bug backward-only``, else 1."""
+    if args.accumulation_steps is not None:
+        return args.accumulation_steps
+    return BACKWARD_ONLY_ACCUMULATION if args.no_sync_bug == "backward-only" else 1
 
 
 def extra_batches(steps: int) -> int:
@@ -75,6 +86,15 @@ def add_job_arguments(parser: argparse.ArgumentParser, metrics_addr: str | None 
                              f"(default {DEFAULT_STRAGGLER_BATCH_FACTOR})")
     parser.add_argument("--uneven", action="store_true",
                         help="uneven inputs: rank r trains S + r*max(1, S//4) batches, inside Join([ddp_model])")
+    parser.add_argument("--accumulation-steps", type=int, default=None, metavar="K",
+                        help="extra flag: accumulate gradients over K batches per optimizer step, the first K-1 "
+                             "inside DDP's no_sync() (forward and backward), as it should be: one gradient reduction "
+                             f"per step (default 1; {BACKWARD_ONLY_ACCUMULATION} with --no-sync-bug backward-only)")
+    parser.add_argument("--no-sync-bug", choices=NO_SYNC_BUGS, default=None,
+                        help="extra flag: get no_sync() wrong, to watch tensorplay see it: 'backward-only' wraps "
+                             "only the backward of the accumulated batches (it takes no effect: every batch is "
+                             "reduced); 'never-ends' enters no_sync() after the first optimizer step and never "
+                             "leaves it (no gradient is reduced again: the replicas drift apart)")
     parser.add_argument("--hang-rank", type=int, default=None, metavar="R",
                         help="make rank R stop for good in its compute at step K, as a stuck data loader would")
     parser.add_argument("--hang-at-step", type=int, default=None, metavar="K",
@@ -120,6 +140,10 @@ def job_problem(args: argparse.Namespace, world_size: int, local_world_size: int
         return f"--straggler-delay-ms must be >= 0, got {args.straggler_delay_ms:g}"
     if args.straggler_batch_factor < 1:
         return f"--straggler-batch-factor must be at least 1, got {args.straggler_batch_factor}"
+    if args.accumulation_steps is not None and args.accumulation_steps < 1:
+        return f"--accumulation-steps must be at least 1, got {args.accumulation_steps}"
+    if args.no_sync_bug == "backward-only" and accumulation_steps(args) < 2:
+        return "--no-sync-bug backward-only needs batches to accumulate: --accumulation-steps 2 or more"
     problem = _port_problem(args, local_world_size)
     if problem is not None:
         return problem
@@ -173,6 +197,8 @@ def job_argv(args: argparse.Namespace) -> list[str]:
         "--straggler-rank": args.straggler_rank,
         "--hang-rank": args.hang_rank,
         "--hang-at-step": args.hang_at_step,
+        "--accumulation-steps": args.accumulation_steps,
+        "--no-sync-bug": args.no_sync_bug,
         "--metrics-port": args.metrics_port,
         "--metrics-addr": args.metrics_addr,
         "--otlp-endpoint": args.otlp_endpoint,

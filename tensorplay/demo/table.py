@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tensorplay.analysis.replicas import ReplicaSync
 from tensorplay.analysis.summary import ModelSummary
 from tensorplay.analysis.table import COLUMNS, rank_rows
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
@@ -34,10 +35,13 @@ class RankFacts:
     metrics_url: str | None
 
 
-def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: RunDir, nodes: int = 1) -> str:
-    """The report as text: the per-rank table, the straggler verdict and what explains it.
+def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: RunDir, nodes: int = 1,
+           sync: ReplicaSync | None = None, no_sync_bug: str | None = None) -> str:
+    """The report as text: the per-rank table, the straggler verdict and what explains it, then
+    whether every optimizer step's gradients were reduced once and the replicas stayed equal.
 
     ``run_dir`` is rank 0's; on several ``nodes`` each node's run dir holds its own ranks' files.
+    ``no_sync_bug``: the no_sync() mistake the demo made, in words (None: none).
     """
     verdict = summary.verdict
     missing = summary.world.missing if summary.world is not None else ()
@@ -59,6 +63,8 @@ def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: Ru
     if shadowing:
         lines.append("uneven inputs: " + ", ".join(f"rank {r.rank} shadowed {r.shadowed}" for r in shadowing)
                      + " iterations inside Join (uneven inputs, not stragglers: shadowing is not compute)")
+    if sync is not None:
+        lines += ["", *sync.lines(), f"injected: {no_sync_bug}" if no_sync_bug else "injected: no no_sync() mistake"]
     urls = [f.metrics_url for f in facts if f.metrics_url]
     lines += ["",
               "allreduce p50: median per bucket over the steps every rank trained;  "
@@ -70,6 +76,11 @@ def render(summary: ModelSummary, facts: list[RankFacts], hook: str, run_dir: Ru
               "and TensorplayStragglerRank weigh);  latest on: steps at which it arrived last;  "
               "median late: its lateness at the median step;  the verdict names a rank that costs more than the job's "
               "own noise explains (k x the spread of the other ranks' shares) in each third of the steps",
+              "gradient reductions, unreduced steps, replica fingerprints: from the optimizer step counts on each "
+              "reduced iteration's last hook span and the tensorplay.optimizer_step span of each unreduced step (the "
+              "steps shown: up to each rank's last iteration, later ones only when unreduced; a fingerprint every "
+              "TENSORPLAY_FINGERPRINT_EVERY optimizer steps, the demo's default 5), what TensorplayGradientsNotReduced "
+              "and TensorplayReplicasDiverged weigh",
               f"spans: {run_dir.path}/spans-rank*.jsonl"
               + (" on each node, its own ranks' (copy them into one directory for tensorplay report)" if nodes > 1 else ""),
               "metrics were served at " + (", ".join(urls) if urls else "no port (see the rank logs)")

@@ -17,6 +17,7 @@ over the process group, so the table covers every node without a shared filesyst
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -31,6 +32,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tensorplay.analysis.replicas import replica_sync
 from tensorplay.analysis.span_reader import NoSpans, Spans, merge_spans, read_spans
 from tensorplay.analysis.summary import summarize
 from tensorplay.distributed.algorithms.join import Join
@@ -43,10 +45,11 @@ from tensorplay.telemetry import (
     wait_for_final_scrape,
 )
 from tensorplay.telemetry.names import Metric
+from tensorplay.telemetry.replica_sync import FINGERPRINT_EVERY_ENV
 
 from .hang import RankStateWriter
 from .hooks import traced_hook
-from .options import add_job_arguments, extra_batches, hang_step, job_problem
+from .options import accumulation_steps, add_job_arguments, extra_batches, hang_step, job_problem
 from .progress import ProgressWriter
 from .table import RankFacts, render
 from .rundir import RunDir, write_json
@@ -58,6 +61,8 @@ WIDTH = 384
 DEPTH = 6
 OUT_FEATURES = 16
 BUCKET_CAP_MB = 1.0  # about 0.6 MB per hidden layer: DDP makes four or more buckets
+DEMO_FINGERPRINT_EVERY = 5
+"""The demo's replicas are fingerprinted every 5 optimizer steps unless TENSORPLAY_FINGERPRINT_EVERY says otherwise."""
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -116,6 +121,16 @@ def _injected(delay_s: float, factor: int, batch_size: int) -> str | None:
     return None
 
 
+def _injected_no_sync_bug(args: argparse.Namespace) -> str | None:
+    """The no_sync() mistake the demo made on every rank, in words (None: none)."""
+    if args.no_sync_bug == "backward-only":
+        return (f"no_sync() wraps only the backward of {accumulation_steps(args) - 1} of every "
+                f"{accumulation_steps(args)} batches (it takes no effect)")
+    if args.no_sync_bug == "never-ends":
+        return "no_sync() entered after the first optimizer step and never left"
+    return None
+
+
 def _serve_metrics(args: argparse.Namespace) -> tuple[TensorplayMetrics, str | None]:
     """Turn metrics on; if they cannot be served (a port taken), also return why, for the launcher's terminal.
 
@@ -158,7 +173,8 @@ def _report_on_rank0(args: argparse.Namespace, run_dir: RunDir, result: dict[str
         nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
         spans = merge_spans([part for _, part in gathered if part is not None])
         (summary, *_) = summarize(spans)  # the demo trains one model
-        text = render(summary, [facts for facts, _ in gathered], args.hook, run_dir, nodes)
+        text = render(summary, [facts for facts, _ in gathered], args.hook, run_dir, nodes,
+                      replica_sync(spans.optimizer_steps), _injected_no_sync_bug(args))
         run_dir.report.write_text(text + "\n", encoding="utf-8")
         print(text, flush=True)
 
@@ -178,6 +194,7 @@ def _blocked_collective(args: argparse.Namespace, rank: int, world_size: int) ->
 def train(args: argparse.Namespace) -> None:
     """Run this rank's part of the job described by ``args``."""
     rank, local_rank, world_size = _env_int("RANK"), _env_int("LOCAL_RANK"), _env_int("WORLD_SIZE")
+    os.environ.setdefault(FINGERPRINT_EVERY_ENV, str(DEMO_FINGERPRINT_EVERY))  # read when the hook is traced
     run_dir = RunDir(args.run_dir) if args.run_dir else None
     if run_dir is not None:
         run_dir.path.mkdir(parents=True, exist_ok=True)
@@ -203,17 +220,29 @@ def train(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     losses: list[float] = []
 
+    accumulation = accumulation_steps(args)
+    never_left = model.no_sync() if args.no_sync_bug == "never-ends" else None
     with Join([model], enable=args.uneven):
         for step in range(batches):
             inputs, targets = data.batch(batch_size)
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(inputs), targets)
-            if delay_s:
-                time.sleep(delay_s)  # the injected straggler: slow compute between forward and backward
-            if step == stuck_at:
-                threading.Event().wait()  # the injected hang: stuck for good, as a data loader can be
-            loss.backward()
-            optimizer.step()
+            steps_after = (step + 1) % accumulation == 0 or step == batches - 1  # the optimizer steps after this batch
+            if step % accumulation == 0:
+                optimizer.zero_grad()
+            with contextlib.ExitStack() as unreduced:
+                if not steps_after and args.no_sync_bug != "backward-only":
+                    unreduced.enter_context(model.no_sync())  # as it should be: the forward decides
+                loss = nn.functional.mse_loss(model(inputs), targets)
+                if delay_s:
+                    time.sleep(delay_s)  # the injected straggler: slow compute between forward and backward
+                if step == stuck_at:
+                    threading.Event().wait()  # the injected hang: stuck for good, as a data loader can be
+                if not steps_after and args.no_sync_bug == "backward-only":
+                    unreduced.enter_context(model.no_sync())  # the injected bug: too late, it takes no effect
+                loss.backward()
+            if steps_after:
+                optimizer.step()
+                if never_left is not None and step + 1 == accumulation:
+                    never_left.__enter__()  # the injected bug: entered after the first step, never left
             losses.append(loss.item())
             if progress is not None:
                 progress.step_done(step + 1, losses[-1])

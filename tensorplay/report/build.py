@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tensorplay.analysis.replicas import ReplicaSync, replica_sync
 from tensorplay.analysis.run import Run
 from tensorplay.analysis.span_reader import Spans, read_spans
 from tensorplay.analysis.straggler import CRITICAL_SHARE, MIN_LATENESS_S, WINDOWS, Verdict
@@ -20,7 +21,7 @@ from tensorplay.analysis.table import COLUMNS, rank_rows
 from tensorplay.analysis.world import World
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
 
-from .page import ModelPart, Picture, Section, html_page
+from .page import Findings, ModelPart, Picture, Section, html_page
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -59,6 +60,8 @@ class Report:
     source: Path
     spans: Spans
     models: list[ModelReport]
+    sync: ReplicaSync
+    """Gradient reductions per optimizer step, unreduced steps, replica fingerprints: for the whole run."""
 
     @property
     def world(self) -> World | None:
@@ -78,8 +81,8 @@ class Report:
         return problems
 
     def verdict_lines(self) -> list[str]:
-        """The straggler verdict of each model, as ``tensorplay report`` prints it."""
-        return [f"straggler{_model_label(self, part)}: {part.verdict.evidence}" for part in self.models]
+        """The straggler verdict of each model, then the run's gradient synchronisation, as ``tensorplay report`` prints them."""
+        return [f"straggler{_model_label(self, part)}: {part.verdict.evidence}" for part in self.models] + self.sync.lines()
 
 
 def _model_label(report: Report, part: ModelReport) -> str:
@@ -122,7 +125,7 @@ def report_from_spans(source: Path, spans: Spans) -> Report:
             "compression": plots.compression_figure(run),
             "join": plots.join_figure(run),
         }))
-    return Report(source, spans, parts)
+    return Report(source, spans, parts, replica_sync(spans.optimizer_steps))
 
 
 def _subset(ranks: int, shown: int, which: str) -> str:
@@ -206,10 +209,11 @@ def render_html(report: Report) -> str:
     of_size = f" of {world.size}" if world is not None and world.missing else ""
     run_line = (f"{report.source} · {len(ranks)}{of_size} ranks{models} · {steps} steps · "
                 f"hook {', '.join(hooks) or 'none'} · "
-                f"{len(report.spans.hooks) + len(report.spans.joins)} spans from {len(files)} "
+                f"{len(report.spans.hooks) + len(report.spans.joins) + len(report.spans.optimizer_steps)} spans from {len(files)} "
                 f"file{'s' if len(files) != 1 else ''}")
     return html_page("tensorplay report", run_line, report.problems,
-                     [_model_part(report, part, plots) for part in report.models])
+                     [_model_part(report, part, plots) for part in report.models],
+                     Findings(report.sync.lines(), report.sync.problem))
 
 
 def default_output(source: Path) -> Path:

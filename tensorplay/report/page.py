@@ -6,7 +6,7 @@ import base64
 from dataclasses import dataclass
 from html import escape
 
-__all__ = ["Section", "Picture", "ModelPart", "html_page"]
+__all__ = ["Section", "Picture", "ModelPart", "Findings", "html_page"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,14 @@ class ModelPart:
     """Some ranks of the job have no spans: a verdict of none is not a clean bill."""
 
 
+@dataclass(frozen=True)
+class Findings:
+    """What the whole run says beyond its models: a sentence each, and whether any names a problem."""
+
+    lines: list[str]
+    problem: bool
+
+
 _STYLE = """
 body { font-family: "DejaVu Sans", "Helvetica Neue", Arial, sans-serif; margin: 1.5em auto; max-width: 1120px;
        padding: 0 1em; color: #222; background: #fff; }
@@ -57,6 +65,7 @@ p.note { color: #666; font-style: italic; }
 .verdict.none { border-color: #2ca02c; background: #f3fbf3; }
 .verdict.unjudged { border-color: #ff7f0e; background: #fff7ef; }
 .problems { border-left: 4px solid #ff7f0e; padding: 0.4em 0.8em; background: #fff7ef; }
+#sync { margin-top: 1.6em; }
 img { max-width: 100%; height: auto; display: block; }
 code { font-size: 0.95em; }
 table.ranks { border-collapse: collapse; font-size: 0.7em; margin: 0.8em 0; }
@@ -91,8 +100,15 @@ def _model(part: ModelPart, index: int, several: bool) -> str:
     ])
 
 
-def html_page(title: str, run_line: str, problems: list[str], parts: list[ModelPart]) -> str:
-    """The whole page: title, what was read, input problems, then per model its verdict, table and sections."""
+def _findings(findings: Findings) -> str:
+    items = "".join(f"<li>{escape(line)}</li>" for line in findings.lines)
+    css = "verdict" if findings.problem else "verdict none"
+    return (f'<section class="{css}" id="sync"><strong>Gradient synchronisation</strong> (every optimizer step over the '
+            f"traced models, every rank)<ul>{items}</ul></section>")
+
+
+def html_page(title: str, run_line: str, problems: list[str], parts: list[ModelPart], findings: Findings) -> str:
+    """The whole page: title, what was read, input problems, per model its verdict, table and sections, then the run's findings."""
     problem_items = "".join(f"<li>{escape(problem)}</li>" for problem in problems)
     problem_block = (f'<section class="problems" id="problems"><h2>Input that could not be read, or is missing</h2>'
                      f"<ul>{problem_items}</ul><p>Everything else was read and is drawn below.</p></section>\n"
@@ -109,6 +125,7 @@ def html_page(title: str, run_line: str, problems: list[str], parts: list[ModelP
         f'<p class="run">{escape(run_line)}</p>',
         problem_block,
         *(_model(part, index, len(parts) > 1) for index, part in enumerate(parts)),
+        _findings(findings),
         "</body></html>",
         "",
     ])

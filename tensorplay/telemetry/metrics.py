@@ -13,6 +13,7 @@ import threading
 import warnings
 from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric as MetricFamily
 
 from .inflight import CollectivesInFlight
@@ -21,6 +22,7 @@ from .server import MetricsServer
 
 __all__ = [
     "TensorplayMetrics",
+    "ReplicaFingerprints",
     "enable_metrics",
     "disable_metrics",
     "active_metrics",
@@ -45,8 +47,8 @@ JOIN_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 60
 class _WithoutCreated:
     """Serves a registry's families without their ``_created`` samples.
 
-    prometheus_client adds one ``<name>_created`` series per counter and histogram child: 15 of a
-    rank's 97 series with one hook, read by no rule, panel or alert (Prometheus 2.x stores them as
+    prometheus_client adds one ``<name>_created`` series per counter and histogram child: 18 of a
+    rank's 102 series with one hook, read by no rule, panel or alert (Prometheus 2.x stores them as
     plain gauges). Dropping them here, rather than with prometheus_client's process-wide
     ``disable_created_metrics()``, leaves an application's own metrics in the same process as
     they are.
@@ -166,6 +168,22 @@ class TensorplayMetrics:
             "Telemetry problems that training rode over (port taken, exporter down, a failing listener).",
             ("rank", "reason"), registry=r,
         )
+        self.optimizer_steps = Counter(
+            Metric.OPTIMIZER_STEPS, "Optimizer steps that updated parameters of a traced DDP model.", rank_label,
+            registry=r,
+        )
+        self.gradient_reductions = Counter(
+            Metric.GRADIENT_REDUCTIONS,
+            "DDP iterations whose gradients a traced hook reduced (each model's once; not those shadowed in Join).",
+            rank_label, registry=r,
+        )
+        self.unreduced_optimizer_steps = Counter(
+            Metric.UNREDUCED_OPTIMIZER_STEPS,
+            "Optimizer steps that updated a traced model none of whose gradients were reduced since its previous step.",
+            rank_label, registry=r,
+        )
+        self.replica_fingerprints = ReplicaFingerprints()
+        r.register(self.replica_fingerprints)
         self._served = _WithoutCreated(families)
         self.registry.register(self._served)  # after the families: names are checked here
         self._children: dict[tuple[Any, str, str | None], Any] = {}
@@ -208,6 +226,48 @@ class TensorplayMetrics:
     def count_error(self, rank: int, reason: str) -> None:
         """Count a telemetry problem that training went on through."""
         self.telemetry_errors.labels(rank=str(rank), reason=reason).inc()
+
+
+class ReplicaFingerprints:
+    """``tensorplay_replica_fingerprint`` and ``tensorplay_replica_fingerprint_step``, served from one snapshot.
+
+    A fingerprint is compared across ranks only at the same step, so a scrape must never pair a
+    new fingerprint with the step of the one before (two gauges are collected one after the
+    other, and the training thread may write in between). Each rank's pair is one dict entry,
+    replaced whole, and both families are built from one copy of the dict.
+    """
+
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[int, int]] = {}
+
+    def set(self, rank: str, step: int, fingerprint: int) -> None:
+        """Publish ``rank``'s fingerprint taken after optimizer step ``step``."""
+        self._latest[rank] = (step, fingerprint)
+
+    def get(self, rank: str) -> tuple[int, int] | None:
+        """``(step, fingerprint)`` last published for ``rank``, or None."""
+        return self._latest.get(rank)
+
+    def collect(self) -> Iterator[MetricFamily]:
+        latest = self._latest.copy()  # one C call: no write can land between the two families
+        fingerprint = GaugeMetricFamily(
+            Metric.REPLICA_FINGERPRINT,
+            "Fingerprint of the traced models' parameters right after optimizer step "
+            f"{Metric.REPLICA_FINGERPRINT_STEP}: equal on ranks whose replicas are equal.",
+            labels=("rank",),
+        )
+        step = GaugeMetricFamily(
+            Metric.REPLICA_FINGERPRINT_STEP, "The optimizer step (per process, from 1) the fingerprint was taken after.",
+            labels=("rank",),
+        )
+        for rank, (at, value) in latest.items():
+            fingerprint.add_metric((rank,), float(value))
+            step.add_metric((rank,), float(at))
+        yield fingerprint
+        yield step
+
+    def describe(self) -> list[MetricFamily]:
+        return list(self.collect())
 
 
 class LastHookCall:

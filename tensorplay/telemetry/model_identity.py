@@ -49,7 +49,7 @@ class ModelSteps:
 
     __slots__ = (
         "index", "step", "expected_bucket", "previous_step_end", "rank_and_world", "buffers", "placed_on",
-        "timeline",
+        "timeline", "reduced",
         "__weakref__",
     )
 
@@ -71,6 +71,8 @@ class ModelSteps:
         """The thread that placed this model's latest new buffer (the thread running its backward then)."""
         self.timeline: StepTimeline | None = None
         """The iteration in progress, if the step counters count it: one per model at a time."""
+        self.reduced = False
+        """Whether a traced call of the iteration in progress launched a collective (a user's hook is taken to)."""
 
 
 class KnownBucket:
@@ -166,6 +168,15 @@ class ModelsOfHook:
         """How many models the hook serves now."""
         with self._lock:
             return sum(ref() is not None for ref in self._models)
+
+    def parameters_of(self, model: ModelSteps) -> list[Any]:
+        """``model``'s parameters in the order its buckets first held them: bucket 0's first, as DDP laid them out.
+
+        The same order on every rank (DDP builds a model's first buckets from its parameter order,
+        and its one rebuild from rank 0's), whatever the buckets became later.
+        """
+        with self._lock:
+            return [parameter for parameter, models in self._by_parameter.items() if model in models]
 
     def _known(self, bucket: Any, buffer: Any) -> KnownBucket:
         """Place a buffer not seen before (or a bucket without one) and remember what it is."""

@@ -5,6 +5,7 @@ __all__ = [
     "HOOK_SPAN_NAME",
     "JOIN_SPAN_NAME",
     "ADVICE_SPAN_NAME",
+    "OPTIMIZER_STEP_SPAN_NAME",
     "Attr",
     "Metric",
     "Candidate",
@@ -14,6 +15,7 @@ TRACER_NAME = "tensorplay"
 HOOK_SPAN_NAME = "tensorplay.comm_hook"
 JOIN_SPAN_NAME = "tensorplay.join"
 ADVICE_SPAN_NAME = "tensorplay.advice"
+OPTIMIZER_STEP_SPAN_NAME = "tensorplay.optimizer_step"
 
 
 class Attr:
@@ -39,6 +41,13 @@ class Attr:
     JOIN_WAIT_MS = "tensorplay.join.wait_ms"
     JOIN_LAST_JOINER = "tensorplay.join.last_joiner"
     MODEL = "tensorplay.model"
+    # Extensions (docs/telemetry.md, "Replicas"): on the last hook span of each reduced iteration,
+    # and on the span of an unreduced optimizer step.
+    OPTIMIZER_MODEL = "tensorplay.optimizer.model"
+    OPTIMIZER_STEPS = "tensorplay.optimizer.steps"
+    OPTIMIZER_UNREDUCED = "tensorplay.optimizer.unreduced"
+    REPLICA_FINGERPRINT = "tensorplay.replica.fingerprint"
+    REPLICA_FINGERPRINT_STEP = "tensorplay.replica.fingerprint_step"
     STEP_BUSY_MS = "tensorplay.step.busy_ms"
     STEP_EXPOSED_COMMUNICATION_MS = "tensorplay.step.exposed_communication_ms"
     STEP_COMMUNICATION_MS = "tensorplay.step.communication_ms"
@@ -70,6 +79,12 @@ class Metric:
     STEP_WAIT = "tensorplay_step_wait_seconds"
     STEP_SECONDS = "tensorplay_step_seconds"
     STEPS = "tensorplay_steps"
+    # The contract, section 7.
+    OPTIMIZER_STEPS = "tensorplay_optimizer_steps"
+    GRADIENT_REDUCTIONS = "tensorplay_gradient_reductions"
+    UNREDUCED_OPTIMIZER_STEPS = "tensorplay_unreduced_optimizer_steps"
+    REPLICA_FINGERPRINT = "tensorplay_replica_fingerprint"
+    REPLICA_FINGERPRINT_STEP = "tensorplay_replica_fingerprint_step"
     STEP_BUSY = "tensorplay_step_busy_seconds"
     STEP_EXPOSED_COMMUNICATION = "tensorplay_step_exposed_communication_seconds"
     STEP_COMMUNICATION = "tensorplay_step_communication_seconds"

@@ -143,6 +143,8 @@ def span_attributes(record: BucketRecord, numbers: Outcome) -> dict[str, object]
         attributes[Attr.BUCKET_NONFINITE] = numbers.bucket_nonfinite
         if numbers.relative_error is not None:
             attributes[Attr.COMPRESSION_RELATIVE_ERROR] = numbers.relative_error
+    if record.sync_attributes is not None:  # the last call of a reduced iteration (docs/telemetry.md, "Replicas")
+        attributes.update(record.sync_attributes)
     return attributes
 
 

@@ -132,7 +132,7 @@ class BucketRecord:
         "bucket_index", "numel", "bytes", "dtype", "device", "sample_error", "span", "metrics",
         "previous_step_end", "step_start", "called", "launches", "ends", "_in_flight", "wire_bytes",
         "stages", "_pending_casts", "_proven_by", "_sent_finite", "_elsewhere", "_arrived", "returned_buffer_bytes",
-        "error", "failures", "timeline",
+        "error", "failures", "timeline", "sync_attributes",
     )
 
     def __init__(
@@ -203,6 +203,8 @@ class BucketRecord:
         self.timeline = timeline
         """The iteration this call belongs to, if the step counters count it; its figures are
         folded in once, when the record is finished (then None)."""
+        self.sync_attributes: dict[str, int] | None = None
+        """On the last call of a reduced iteration, what :mod:`.replica_sync` adds to its span."""
 
     # -- the probe's HookRecorder protocol (training thread and future callbacks) --
 

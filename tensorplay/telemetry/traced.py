@@ -6,14 +6,16 @@ start time (the span itself is started where :mod:`.finish` finishes the record)
 :class:`~tensorplay.telemetry.recorder.BucketRecord` and installs it as the probe's recorder, so
 tensorplay's hooks report their own collectives and compression (a user's hook gets bucket
 sizes and latency), runs the very same hook (same gradients, bit for bit), and chains one plain
-``then`` on its future that hands the record to :mod:`.finish`. With no SDK tracer provider and
-metrics off, a call costs a few attribute reads and the hook runs untouched.
+``then`` on its future that hands the record to :mod:`.finish`. At the last bucket of a model's
+iteration it tells :mod:`.replica_sync` whether a call of the iteration launched a collective; that
+module counts gradient reductions against optimizer steps.
+With no SDK tracer provider and metrics off, a call costs a few attribute reads and the hook runs
+untouched.
 """
 
 import copy
 import logging
 import operator
-import os
 import time
 from typing import Any, Callable, Optional
 
@@ -21,15 +23,17 @@ import torch
 import torch.distributed as dist
 from opentelemetry import trace
 
-from . import probe
+from . import probe, replica_sync
 from .advisor import DEFAULT_ADVISE_EVERY, Advisor
 from .finish import OwnedSpan, finisher
 from .metrics import TensorplayMetrics, active_metrics
 from .model_identity import CallPlace, ModelsOfHook
 from .names import HOOK_SPAN_NAME
 from .recorder import BucketRecord
+from .settings import steps_from_environment
 from .step_timeline import StepTimeline
 from .timing import stamp
+from .tracing import may_record
 from .tracing import tracer as default_tracer
 
 __all__ = ["traced", "DEFAULT_ERROR_EVERY", "DEFAULT_ADVISE_EVERY"]
@@ -88,6 +92,12 @@ def traced(
     ``"<name>#2"``, and each span carries ``tensorplay.model`` (0, 1, ...).
     ``tensorplay_step_compute_seconds`` is the first model's.
 
+    The first hook traced in a process installs torch's global optimizer step hooks, which count
+    the optimizer steps over the models its calls reduced (a model only ever served by
+    ``noop_hook`` is not counted) and fingerprint the replicas every
+    ``TENSORPLAY_FINGERPRINT_EVERY`` steps (:mod:`.replica_sync`; a value that is no whole number
+    >= 0 is a ``ValueError`` here).
+
     Example::
         >>> # xdoctest: +SKIP
         >>> ddp_model.register_comm_hook(process_group, traced(bf16_compress_hook))
@@ -106,31 +116,13 @@ def traced(
 def _steps(argument: str, value: Any, variable: str, default: int, what: str) -> int:
     """A sampling argument as a number of steps: given, else from ``variable``, else ``default``."""
     if value is None:
-        value = _steps_from_environment(variable, default, what)
+        value = steps_from_environment(variable, default, f"0: never {what}, 1: every step, N: every N-th step")
     try:
         value = operator.index(value)  # an int, or what stands for one (numpy's)
     except TypeError:
         raise TypeError(f"traced: {argument} must be a whole number of steps, got {value!r}") from None
     if value < 0:
         raise ValueError(f"traced: {argument} must be >= 0 (0 turns it off), got {value}")
-    return value
-
-
-def _steps_from_environment(variable: str, default: int, what: str) -> int:
-    """``variable`` as a number of steps; unset or empty (as OpenTelemetry reads its variables) is ``default``."""
-    raw = os.environ.get(variable, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"{variable}={os.environ[variable]!r} is not a number of steps: set it to a whole "
-            f"number >= 0 (0: never {what}, 1: every step, N: every N-th step), "
-            f"or leave it unset or empty for the default, {default}"
-        )
     return value
 
 
@@ -164,6 +156,7 @@ class _TracedHook:
         self._tracer_provider = tracer_provider
         self._own_tracer = default_tracer(tracer_provider) if tracer_provider is not None else None
         self._models = ModelsOfHook()
+        replica_sync.watch_optimizer_steps()
         self._advisor = Advisor(advise_every)
         self.__wrapped__ = hook
         self.__doc__ = getattr(hook, "__doc__", None)
@@ -198,6 +191,11 @@ class _TracedHook:
             raise
         finally:
             probe.uninstall_recorder(token)
+        model = place.model
+        if place.first_of_step or not model.reduced:  # a model is traced from a call that reduced (not noop_hook's)
+            model.reduced = bool(record.launches) or not self._reports_collectives
+        if place.last_of_step:
+            replica_sync.model_iteration_ended(self._models, model, record, self._tracer_provider, model.reduced)
         try:
             return record.follow(future, bucket, finisher().completed)
         except Exception:  # telemetry must never break training: hand DDP the hook's own future
@@ -215,7 +213,7 @@ class _TracedHook:
         try:
             metrics = self._metrics if self._metrics is not None else active_metrics()
             tracer = self._own_tracer if self._own_tracer is not None else default_tracer()
-            if metrics is None and not _may_record(tracer):
+            if metrics is None and not may_record(tracer):
                 return None
             layout = place.bucket.layout
             if layout is None:
@@ -254,7 +252,7 @@ class _TracedHook:
                 timeline.note_call(called, place.last_of_step)
         except Exception:
             _logger.warning("tensorplay: could not start recording a hook call; training goes on", exc_info=True)
-            if tracer is not None and _may_record(tracer):  # the call still gets its span, marked incomplete
+            if tracer is not None and may_record(tracer):  # the call still gets its span, marked incomplete
                 span = OwnedSpan.later(tracer, HOOK_SPAN_NAME, time.time_ns())
                 finisher().abandoned(span, incomplete="tensorplay could not start recording this hook call")
             return None
@@ -268,21 +266,8 @@ class _TracedHook:
         # the two passes off the training thread never fall on one step. Before the hook runs: the
         # bucket as DDP handed it over.
         if every and place.step % every == every - 1 and not shadowing:
-            self._advisor.take(bucket, place, record, tracer if _may_record(tracer) else None)
+            self._advisor.take(bucket, place, record, tracer if may_record(tracer) else None)
         return record
-
-
-def _may_record(tracer: trace.Tracer) -> bool:
-    """Whether ``tracer`` may record spans, told without starting one: not OpenTelemetry's no-op.
-
-    A ``ProxyTracer`` is what the API hands out while no SDK provider is set (a provider set
-    later is picked up at the next call, since the tracer is looked up at every call).
-    """
-    if isinstance(tracer, trace.NoOpTracer):
-        return False
-    if isinstance(tracer, trace.ProxyTracer):
-        return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
-    return True
 
 
 def _world_size(state: Any) -> int:

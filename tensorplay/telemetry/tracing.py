@@ -27,7 +27,7 @@ from .exports import CountingExporter, fold_exporter_logs
 from .metrics import rank_label
 from .names import TRACER_NAME
 
-__all__ = ["tracer", "configure_tracing", "JsonLinesSpanExporter", "SystemRandomIdGenerator"]
+__all__ = ["tracer", "may_record", "configure_tracing", "JsonLinesSpanExporter", "SystemRandomIdGenerator"]
 
 _logger = logging.getLogger(__name__)
 
@@ -89,6 +89,19 @@ def tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
 
 _cached: tuple[trace.TracerProvider, trace.Tracer] | None = None
 """The tracer last made, with its provider: the SDK's ``get_tracer`` costs ~20 us per hook call."""
+
+
+def may_record(tracer: trace.Tracer) -> bool:
+    """Whether ``tracer`` may record spans, told without starting one: not OpenTelemetry's no-op.
+
+    A ``ProxyTracer`` is what the API hands out while no SDK provider is set (a provider set
+    later is picked up at the next call, since the tracer is looked up at every call).
+    """
+    if isinstance(tracer, trace.NoOpTracer):
+        return False
+    if isinstance(tracer, trace.ProxyTracer):
+        return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return True
 
 
 class JsonLinesSpanExporter(SpanExporter):

@@ -3,7 +3,8 @@
 ``accelerate launch --multi_gpu --num_processes 2 accelerate_join.py OUT_DIR`` (README's command;
 on CPU as well: ``--cpu`` starts one process), gloo. On one process ``accelerator.prepare`` leaves
 the model unwrapped, and the script says so instead of failing on ``register_comm_hook``. Rank r trains on
-``3 + 2 r`` batches of its own, inside ``tensorplay``'s ``Join`` (Accelerate's
+``3 + 2 r`` batches of its own, 2 per optimizer step (``gradient_accumulation_steps``: the first
+inside ``no_sync()``), inside ``tensorplay``'s ``Join`` (Accelerate's
 ``join_uneven_inputs`` does nothing on CPU). Metrics come on through ``TENSORPLAY_METRICS_PORT``
 (the torchrun way); each rank writes ``OUT_DIR/metrics-rank{r}.txt`` (its own ``/metrics``,
 scraped over HTTP once training ended) and ``OUT_DIR/rank{r}.pt`` (final parameters).
@@ -26,11 +27,12 @@ from tensorplay.distributed.algorithms.join import Join
 from tensorplay.telemetry import flush
 
 BASE_BATCHES, EXTRA_BATCHES_PER_RANK = 3, 2
+ACCUMULATE = 2  # batches per optimizer step, the first inside no_sync() (accelerator.accumulate)
 
 
 def main() -> None:
     out_dir = sys.argv[1]
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
     set_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -46,9 +48,10 @@ def main() -> None:
                for _ in range(BASE_BATCHES + EXTRA_BATCHES_PER_RANK * rank)]
     with Join([model]):
         for inputs, targets in batches:
-            optimizer.zero_grad()
-            accelerator.backward(nn.functional.mse_loss(model(inputs), targets))
-            optimizer.step()
+            with accelerator.accumulate(model):  # steps (and zeroes) only every ACCUMULATE batches
+                accelerator.backward(nn.functional.mse_loss(model(inputs), targets))
+                optimizer.step()
+                optimizer.zero_grad()
 
     flush(30)
     torch.save([p.detach().clone() for p in model.parameters()], f"{out_dir}/rank{rank}.pt")

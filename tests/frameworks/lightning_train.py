@@ -1,5 +1,8 @@
 """A seeded Lightning script on 2 CPU processes: torch's bf16 hook, then tensorplay's, through TracedCommHook.
 
+Every fit accumulates gradients over 2 batches per optimizer step (``accumulate_grad_batches``):
+Lightning runs the first batch's forward and backward inside DDP's ``no_sync()``.
+
 ``python lightning_train.py OUT_DIR`` uses Lightning's default launcher, which starts rank 1 by
 running this script again, and fits three times in the same processes: with torch's own
 ``bf16_compress_hook`` (the reference), with ``TracedCommHook(bf16_compress_hook)``, and with
@@ -41,6 +44,7 @@ from tensorplay.integrations.lightning import TracedCommHook
 from tensorplay.telemetry import configure_tracing, flush
 
 STEPS = 4
+ACCUMULATE = 2  # batches per optimizer step: Lightning runs the first inside DDP's no_sync()
 POWERSGD = {"process_group": None, "matrix_approximation_rank": 1, "start_powerSGD_iter": 2}  # compresses steps 2 and 3
 
 
@@ -103,6 +107,7 @@ def fit(out_dir: str, run: str, callback: pl.Callback, strategy: DDPStrategy) ->
         strategy=strategy,
         callbacks=[callback],
         max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
