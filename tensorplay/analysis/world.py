@@ -59,7 +59,7 @@ class World:
         them = "it" if len(self.missing) == 1 else "them"
         return Verdict(verdict.ranks, f"{rank_words(self.missing)} of {self.size} cannot be judged (no spans of {them} "
                                       f"were read); of the other {self.size - len(self.missing)}: {verdict.evidence}",
-                       verdict.share)
+                       verdict.share, verdict.noise)
 
 
 def world(spans: Spans) -> World:
