@@ -51,7 +51,7 @@ def report_command(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     for problem in report.problems:
         print(f"tensorplay report: {problem}", file=sys.stderr)
-    for line in report.verdict_lines():
+    for line in report.verdict_lines() + report.communication_lines():
         print(line)
     print(f"report: {out}")
     return EXIT_BAD_INPUT if report.problems else 0
