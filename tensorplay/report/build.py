@@ -242,7 +242,7 @@ def render_html(report: Report) -> str:
     of_size = f" of {world.size}" if world is not None and world.missing else ""
     run_line = (f"{report.source} · {len(ranks)}{of_size} ranks{models} · {steps} steps · "
                 f"hook {', '.join(hooks) or 'none'} · "
-                f"{len(report.spans.hooks) + len(report.spans.joins)} spans from {len(files)} "
+                f"{len(report.spans.hooks) + len(report.spans.joins) + len(report.spans.advice)} spans from {len(files)} "
                 f"file{'s' if len(files) != 1 else ''}")
     return html_page("tensorplay report", run_line, report.problems,
                      [_model_part(report, part, plots) for part in report.models])
