@@ -142,8 +142,8 @@ def _subset(ranks: int, shown: int, which: str) -> str:
 
 def _captions(run: Run, plots) -> list[tuple[str, str, str, str]]:
     """(key, title, how to read it, note when not drawn) of each section, in page order."""
-    shown_ranks = _subset(len(run.ranks), plots.TIMELINE_RANKS, "the least exposed communication, the job's first")
     ranks = len(run.ranks)
+    shown_ranks = _subset(ranks, plots.TIMELINE_RANKS, "the least exposed communication, the job's first")
     hooks = ", ".join(hook.hook for hook in run.hook_bytes) or "none"
     return [
         ("cost", "What each rank costs the job",
