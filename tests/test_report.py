@@ -221,6 +221,24 @@ def test_exposed_communication_and_the_advice_are_the_analysis_figures(two_ranks
         assert note in demo.stdout and html.escape(note) in page
 
 
+def test_the_advice_figure_draws_an_overflow_above_every_error_and_rings_it() -> None:
+    """A candidate without a finite error (fp16 overflowed on every advised iteration) is drawn above
+    the others, ringed red, never where a small error would be; an exact one (error 0) below them."""
+    from tensorplay.report import plots
+
+    from .test_communication_analysis import TWO_RANKS, _advice, _spans
+
+    overflow, exact = {Candidate.FP16: (float("nan"), 0.5, 9)}, {Candidate.BF16: (0.0, 0.5, 0)}
+    (summary,) = summarize(_spans(TWO_RANKS, advice=[_advice(0, 4, **overflow, **exact), _advice(1, 4, **overflow, **exact)]))
+    figure = plots.advice_figure(summary.communication)
+    heights = {name: _artist(figure, f"advice-{name}").get_offsets()[0][1] for name in Candidate.ALL}
+    others = [heights[name] for name in Candidate.ALL if name not in (Candidate.FP16, Candidate.BF16)]
+    assert heights[Candidate.FP16] > max(others) and heights[Candidate.BF16] < min(others), heights
+    assert _artist(figure, "advice-overflow-fp16").get_offsets()[0][1] == heights[Candidate.FP16]
+    assert not _artists(figure, "advice-overflow-bf16")
+    assert _artist(figure, "advice-running").get_xdata()[0] == summary.communication.wire_ratio
+
+
 def test_spans_of_a_run_without_the_step_timeline_or_advice_say_not_measured(
         two_ranks: Demo, tmp_path: Path, capsys) -> None:
     """Span files of a tensorplay before issue 36 (no step figures, no advice spans): the page is drawn

@@ -372,14 +372,16 @@ def advice_figure(figures: Communication) -> Figure | None:
     candidates = figures.candidates
     if not candidates:
         return None
-    errors = [c.error for c in candidates if c.error is not None and c.error > 0]
-    floor = min(errors) / 10 if errors else 1e-8  # an exact candidate (error 0) is drawn here, labelled
+    errors = [e for c in candidates for e in (c.error, c.worst_error) if e is not None and e > 0]
+    # Off the log scale, each drawn where it says what it is: an exact candidate (error 0) below every
+    # other, one without a finite error (fp16 overflow, NaN gradients) above every other.
+    floor, ceiling = (min(errors) / 10, max(max(errors) * 10, 1.0)) if errors else (1e-8, 1.0)
     figure = Figure(figsize=(_WIDTH_IN, 4.0), layout="constrained")
     axes = figure.subplots()
     for index, candidate in enumerate(candidates):
         color = f"C{index}" if index != 3 else "C5"  # C3 is the straggler's red, kept for overflow
         error = candidate.error
-        shown = floor if error is None or error <= 0 else error
+        shown = ceiling if error is None else floor if error <= 0 else error
         words = ("no finite error" if error is None else "exact (0)" if error <= 0 else f"{error:.1e}")
         gain = "" if candidate.win_back_ms is None else f", wins back ~{candidate.win_back_ms:.1f} ms"
         overflow = f", overflow: {candidate.nonfinite}" if candidate.overflowed else ""
