@@ -259,9 +259,10 @@ def timeseries(
     min_zero: bool = True,
     red_from: float | None = None,
     links: list[Json] | None = None,
+    log_scale: bool = False,
 ) -> Json:
     """Lines over the time range, the legend a table of each line's mean and last value; ``red_from``
-    draws a red threshold line there."""
+    draws a red threshold line there; ``log_scale``: a logarithmic y axis (base 10, no minimum)."""
     defaults: Json = {
         "unit": unit,
         "custom": {
@@ -271,10 +272,11 @@ def timeseries(
             "showPoints": "never",
             "spanNulls": False,
             "thresholdsStyle": {"mode": "off" if red_from is None else "line"},
+            **({"scaleDistribution": {"type": "log", "log": 10}} if log_scale else {}),
         },
         "thresholds": _thresholds(red_from),
         "color": {"mode": "palette-classic"},
-        **({"min": 0} if min_zero else {}),
+        **({"min": 0} if min_zero and not log_scale else {}),
         **({"links": links} if links else {}),
     }
     options = {

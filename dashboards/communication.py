@@ -19,8 +19,9 @@ def build() -> dict:
         "tensorplay / Communication",
         (
             "DDP gradient communication of whole jobs first: allreduce latency quantiles and distribution per "
-            "hook, bytes handed over vs on the wire, compression ratio and error, non-finite elements; whether "
-            "every gradient is reduced once per optimizer step and the replicas stay equal; then the "
+            "hook, bytes handed over vs on the wire, compression ratio and error, non-finite elements, exposed "
+            "communication and what a candidate compression could win back of it; whether every gradient is "
+            "reduced once per optimizer step and the replicas stay equal; then the "
             "worst ranks (top-k, stable over the time range), telemetry errors, and a collapsed per-rank row "
             "for the ranks you pick (exemplars link to traces there)."
         ),
@@ -143,6 +144,89 @@ def build() -> dict:
                     ],
                     Size(12, 8),
                     "percentunit",
+                ),
+                timeseries(
+                    "Exposed communication a candidate compression could win back per step (job, estimate)",
+                    (
+                        "What each candidate of the compression advice (fp16, bf16, PowerSGD at ranks 1, 2, 4: what "
+                        "each would make of the ranks' own gradients, taken on one step in TENSORPLAY_ADVISE_EVERY) "
+                        "could win back of the job's exposed communication per step. An estimate, on the model that "
+                        "the exposed time scales with the bytes on the wire: exposed × (1 − the candidate's wire "
+                        "ratio ÷ the running hook's), never below 0. It leaves out the latency a collective has "
+                        "whatever its size, the time compressing takes and PowerSGD's extra collectives. Weigh it "
+                        "against the candidate's error (beside). docs/telemetry.md, \"What another hook would give\"."
+                    ),
+                    [Query(
+                        (
+                            'job:tensorplay_step_exposed_communication_seconds:min_mean5m{job=~"$job"}\n'
+                            "* on (job) group_right\n"
+                            "clamp_min(\n"
+                            "  1 - max by (job, candidate) "
+                            '(tensorplay_compression_candidate_wire_ratio{job=~"$job"})\n'
+                            "  * on (job) group_left "
+                            'sum by (job) (job_hook:tensorplay_bucket_bytes:rate5m{job=~"$job"})\n'
+                            "  / on (job) group_left "
+                            'sum by (job) (job_hook:tensorplay_wire_bytes:rate5m{job=~"$job"}),\n'
+                            "  0\n"
+                            ")"
+                        ),
+                        "{{candidate}} · {{job}}",
+                    )],
+                    Size(12, 8),
+                    "s",
+                ),
+                timeseries(
+                    "Candidate compressions: error at the latest advice, median and worst rank (job)",
+                    (
+                        "‖x − x̂‖₂ / ‖x‖₂ each candidate would make of a rank's gradients (the buckets as DDP "
+                        "handed them over, pooled over the iteration's buckets) at its latest advised step: the "
+                        "median over the job's ranks and the worst rank, log scale. fp16 rounds to 11 significant "
+                        "bits, bf16 to 8: bf16's error is about 8 times fp16's. PowerSGD's is from scratch (no "
+                        "error feedback), so higher than a warmed-up PowerSGD's. "
+                        "+Inf: fp16 would overflow (see the non-finite panel)."
+                    ),
+                    [
+                        Query(
+                            'quantile by (job, candidate) (0.5, '
+                            'tensorplay_compression_candidate_error_ratio{job=~"$job"})',
+                            "median · {{candidate}} · {{job}}",
+                        ),
+                        Query(
+                            'max by (job, candidate) (tensorplay_compression_candidate_error_ratio{job=~"$job"})',
+                            "worst rank · {{candidate}} · {{job}}",
+                        ),
+                    ],
+                    Size(12, 8),
+                    "none",
+                    log_scale=True,
+                ),
+                bargauge(
+                    "Candidate compressions: bytes on the wire per byte handed over (job)",
+                    (
+                        "What each candidate would send per byte DDP hands over: 0.5 for fp16 and bf16 on float32 "
+                        "buckets, a few hundredths for PowerSGD. The running hook's own ratio is the inverse of the "
+                        "compression ratio panel's."
+                    ),
+                    Query(
+                        'max by (job, candidate) (tensorplay_compression_candidate_wire_ratio{job=~"$job"})',
+                        "{{candidate}} · {{job}}",
+                    ),
+                    Size(12, 6),
+                    "none",
+                ),
+                bargauge(
+                    "Candidate compressions: elements they would make non-finite (job, latest advice)",
+                    (
+                        "Elements finite in the ranks' gradients that a candidate would make inf/NaN at the latest "
+                        "advised step, every rank together: fp16 overflows from 65520 (before its division by "
+                        "the world size); bf16 has float32's range. Above 0 for fp16: use bf16, or scale the loss."
+                    ),
+                    Query(
+                        'sum by (job, candidate) (tensorplay_compression_candidate_nonfinite{job=~"$job"})',
+                        "{{candidate}} · {{job}}",
+                    ),
+                    Size(12, 6),
+                    "short",
                 ),
                 timeseries(
                     "Compression relative error p50 / p99 by hook (job, 5m)",
@@ -489,6 +573,40 @@ def build() -> dict:
                     ],
                     Size(12, 8),
                     "s",
+                ),
+                timeseries(
+                    "Share of the step exposed, and of communication hidden, by rank (5m)",
+                    (
+                        "For the picked ranks: exposed communication over the step, and the share of communication "
+                        "the backward hid (1 − exposed / communication). A rank waiting for a peer counts that wait "
+                        "as exposed: the job's figure is its least rank's (the job row)."
+                    ),
+                    [
+                        Query(
+                            'job_rank:tensorplay_step_exposed_communication:ratio5m{job=~"$job", rank=~"$rank"}',
+                            "exposed share · rank {{rank}}",
+                        ),
+                        Query(
+                            'job_rank:tensorplay_step_communication_hidden:ratio5m{job=~"$job", rank=~"$rank"}',
+                            "hidden · rank {{rank}}",
+                        ),
+                    ],
+                    Size(12, 8),
+                    "percentunit",
+                ),
+                timeseries(
+                    "Candidate compression error by rank (latest advice)",
+                    (
+                        "What each candidate would make of the picked ranks' gradients at their latest advised step, "
+                        "log scale; a rank far above its peers has gradients of another scale (or NaN/inf)."
+                    ),
+                    [Query(
+                        'tensorplay_compression_candidate_error_ratio{job=~"$job", rank=~"$rank"}',
+                        "rank {{rank}} · {{candidate}} · {{hook}}",
+                    )],
+                    Size(12, 8),
+                    "none",
+                    log_scale=True,
                 ),
                 timeseries(
                     "Bytes/s handed to hooks vs sent on the wire, by rank",

@@ -71,8 +71,16 @@ class Demo:
 
     def table(self) -> list[dict[str, str]]:
         """The report's per-rank rows, by column name."""
+        return self._rows("rank  steps")
+
+    def candidates(self) -> list[dict[str, str]]:
+        """The report's table of the compression advice's candidates, by column name (none without advice)."""
+        return self._rows("candidate  ") if "\ncandidate  " in self.stdout else []
+
+    def _rows(self, header_start: str) -> list[dict[str, str]]:
+        """The rows of the table whose header starts with ``header_start``, up to the next blank line."""
         lines = self.stdout.splitlines()
-        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("rank  steps"))
+        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(header_start))
         header = re.split(r"\s{2,}", lines[start].strip())
         rows = []
         for line in lines[start + 1:]:
@@ -83,6 +91,10 @@ class Demo:
 
     def verdict(self) -> str:
         return next(line for line in self.stdout.splitlines() if line.startswith("straggler: "))
+
+    def communication(self) -> str:
+        """The sentence on what communication costs the job's step."""
+        return next(line for line in self.stdout.splitlines() if line.startswith("communication: "))
 
 
 @dataclass

@@ -39,6 +39,10 @@ serve and nothing the code serves is left out.
 * one optimizer step and one gradient reduction per step; a replica fingerprint every 100 steps,
   the same on every rank; ``unreduced_ranks``: from halfway on, these ranks reduce no gradient
   (every step of theirs is unreduced) and each holds a fingerprint of its own.
+* the compression advice of each hook's gradients: every candidate's error (a typical value per
+  candidate, a different factor per rank), its wire ratio (that of float32 buckets), and the
+  elements it would make non-finite: none, but fp16's on the ranks that overflow (the same gradients
+  overflow its cast), from halfway on, where its error is then +Inf.
 
 :meth:`SyntheticJob.write_openmetrics` writes ranks ``[first, last)`` as OpenMetrics text with
 timestamps, the input of ``promtool tsdb create-blocks-from openmetrics``; a large job is written
@@ -58,7 +62,7 @@ from prometheus_client.openmetrics.exposition import generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from tensorplay.telemetry.metrics import ReplicaFingerprints, TensorplayMetrics
-from tensorplay.telemetry.names import Metric
+from tensorplay.telemetry.names import Candidate, Metric
 
 from .step_timing import BUCKETS_PER_STEP, COLLECTIVE_S, Spread, Timeline, simulate
 
@@ -86,7 +90,12 @@ _LATENCY_NOISE = 0.3
 _ERROR_NOISE = 0.3
 _UNEVEN_SHARE = 0.9  # ranks that run out of inputs early in an uneven Join
 _OVERFLOW_SHARE = 0.7  # ranks that overflow in an overflow scenario
-_SERIES_LABELS = frozenset({"rank", "hook"})
+_SERIES_LABELS = frozenset({"rank", "hook", "candidate"})
+_CANDIDATE_ERROR = {Candidate.FP16: 3e-4, Candidate.BF16: 2.3e-3, Candidate.POWERSGD_RANK1: 0.56,
+                    Candidate.POWERSGD_RANK2: 0.40, Candidate.POWERSGD_RANK4: 0.33}
+"""A candidate's typical error (the demo's model's gradients: tensorplay demo's table)."""
+_CANDIDATE_WIRE_RATIO = {Candidate.FP16: 0.5, Candidate.BF16: 0.5, Candidate.POWERSGD_RANK1: 0.009,
+                         Candidate.POWERSGD_RANK2: 0.015, Candidate.POWERSGD_RANK4: 0.028}
 _FINGERPRINT_EVERY = 100  # optimizer steps between replica fingerprints (TENSORPLAY_FINGERPRINT_EVERY's default)
 
 
@@ -116,7 +125,8 @@ class Family:
 def exposition(hooks: Sequence[str]) -> list[Family]:
     """The families one rank serves with ``hooks``, read from tensorplay's own exposition.
 
-    Every family labelled by ``rank`` (and ``hook``) gets a child for rank 0 and each hook.
+    Every family labelled by ``rank`` (and ``hook``, ``candidate``) gets a child for rank 0 and each
+    hook (and candidate).
     ``tensorplay_telemetry_errors_total`` (labelled by ``reason`` too) has children only while
     telemetry problems are counted, so it is not part of a healthy rank's exposition.
     """
@@ -130,7 +140,9 @@ def exposition(hooks: Sequence[str]) -> list[Family]:
         if names is None or not set(names) <= _SERIES_LABELS:
             continue
         for hook in hooks if "hook" in names else hooks[:1]:
-            family.labels(**{name: ("0" if name == "rank" else hook) for name in names})
+            for candidate in Candidate.ALL if "candidate" in names else ("",):
+                values = {"rank": "0", "hook": hook, "candidate": candidate}
+                family.labels(**{name: values[name] for name in names})
     text = generate_latest(metrics.registry).decode()
     families = []
     for parsed in text_string_to_metric_families(text):
@@ -404,6 +416,26 @@ class SyntheticJob:
         scrapes_overflowing = np.maximum(np.arange(len(self.times)) - self.join_index + 1, 0)
         return self._overflow_rate[ranks, None] * scrapes_overflowing[None, :]
 
+    def _overflowing(self, series: Series, ranks: slice) -> np.ndarray:
+        """[rank, scrape] whether the rank makes elements non-finite with the series' hook by then."""
+        return self._nonfinite(series, ranks) > 0
+
+    def _candidate_error(self, series: Series, ranks: slice) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.ranks, 13, *self.scenario.job.encode()])
+        factor = np.exp(rng.normal(0.0, _ERROR_NOISE, self.ranks))[ranks]
+        error = _CANDIDATE_ERROR[series.label("candidate")] * factor[:, None] + self._zeros(series, ranks)
+        if series.label("candidate") == Candidate.FP16:
+            error[self._overflowing(series, ranks)] = np.inf
+        return error
+
+    def _candidate_wire_ratio(self, series: Series, ranks: slice) -> np.ndarray:
+        return self._zeros(series, ranks) + _CANDIDATE_WIRE_RATIO[series.label("candidate")]
+
+    def _candidate_nonfinite(self, series: Series, ranks: slice) -> np.ndarray:
+        if series.label("candidate") != Candidate.FP16:
+            return self._zeros(series, ranks)
+        return np.where(self._overflowing(series, ranks), self._overflow_rate[ranks, None], 0.0)
+
     def _step_wait(self, series: Series, ranks: slice) -> np.ndarray:
         return self._end_wait_s[ranks] / len(self.scenario.hooks)
 
@@ -519,6 +551,9 @@ class SyntheticJob:
         Metric.UNREDUCED_OPTIMIZER_STEPS: _unreduced,
         Metric.REPLICA_FINGERPRINT: _fingerprint,
         Metric.REPLICA_FINGERPRINT_STEP: _fingerprint_step,
+        Metric.CANDIDATE_ERROR: _candidate_error,
+        Metric.CANDIDATE_WIRE: _candidate_wire_ratio,
+        Metric.CANDIDATE_NONFINITE: _candidate_nonfinite,
     }
 
     # -- OpenMetrics -------------------------------------------------------------------------

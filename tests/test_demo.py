@@ -68,6 +68,13 @@ def test_two_ranks_report_no_straggler_and_serve_metrics(two_ranks: Demo) -> Non
     for row in demo.table():
         assert row["steps"] == "12" and row["shadowed"] == "-"
         assert row["non-finite"] == "0" and row["rel. error"] != "-"  # fp16 compresses; step 0 is sampled
+        assert row["exposed comm"].endswith(" ms") and row["hidden"].endswith(" %")
+    # What communication costs the step, and the advice the demo takes by default (every 5th step).
+    assert re.fullmatch(r"communication: \d+\.\d ms of every \d+\.\d ms step is exposed \(\d+ %\), on rank [01], the one "
+                        r"the others wait for; the backward hides \d+ % of it; .*", demo.communication()), demo.stdout
+    assert [row["candidate"] for row in demo.candidates()] == ["fp16", "bf16", "powersgd_rank1", "powersgd_rank2",
+                                                                "powersgd_rank4"], demo.stdout
+    assert "compression advice: " in demo.stdout and "wins back: an estimate, if the exposed communication" in demo.stdout
 
 
 def test_two_ranks_name_the_injected_straggler(two_ranks_straggler: Demo) -> None:
@@ -160,6 +167,7 @@ BAD_FLAGS = [
     (["--accumulation-steps", "0"], "--accumulation-steps must be at least 1"),
     (["--no-sync-bug", "backward-only", "--accumulation-steps", "1"], "--no-sync-bug backward-only needs batches to accumulate"),
     (["--no-sync-bug", "sometimes"], "invalid choice: 'sometimes'"),
+    (["--advise-every", "-1"], "--advise-every must be >= 0 (0: never), got -1"),
 ]
 
 

@@ -46,7 +46,7 @@ import pytest
 from tensorplay.analysis.straggler import CRITICAL_SHARE, MIN_LATENESS_S
 
 from .alert_rules import alert_expr, alert_rules
-from .dashboard_queries import dashboard_paths, dashboard_queries, selectors
+from .dashboard_queries import DASHBOARD_DIR, dashboard_paths, dashboard_queries, selectors
 from .demo_runs import DemoProcess, start_demo
 from .ranks import free_base_port
 from .prometheus_server import PrometheusServer, prometheus  # noqa: F401 (fixture)
@@ -174,6 +174,9 @@ PANELS_EMPTY_AFTER_TRAINING = {
 }
 
 
+WIN_BACK_PANEL = "Exposed communication a candidate compression could win back per step (job, estimate)"
+
+
 def check_dashboards(run: ScrapedRun) -> dict[str, int]:
     """Run every dashboard query on the run's data as a user opening the dashboards runs it: the
     variables at their defaults (rank 0, the default top-k), over the run so far (both runs have
@@ -199,6 +202,11 @@ def check_dashboards(run: ScrapedRun) -> dict[str, int]:
     assert not missing, f"dashboard queries without data: {missing}"
     assert not unexpected, f"dashboard queries with data where none is expected: {unexpected}"
     return answered
+
+
+def _by_candidate(run: ScrapedRun, expr: str) -> dict[str, float]:
+    """``{candidate: value}`` of ``expr`` at ``at``."""
+    return {s["metric"]["candidate"]: float(s["value"][1]) for s in run.query(expr)}
 
 
 def _scraped_mid_training(run: ScrapedRun) -> dict[str, float]:
@@ -290,6 +298,18 @@ def test_straggler_run_names_the_straggler_and_every_panel_answers(prometheus, t
 
         answered = check_dashboards(run)
         print(f"dashboard series per panel: {answered}")
+
+        # The advice (the demo takes it every 5th step): under fp16_compress_hook, fp16 and bf16 would send what
+        # it sends (nothing to win back), PowerSGD a few hundredths: most of the job's exposed communication.
+        (win_back,) = [q.expr for q in dashboard_queries(DASHBOARD_DIR / "communication.json", job=job)
+                       if q.title == WIN_BACK_PANEL]
+        wins = _by_candidate(run, win_back)
+        exposed = run.values(f'job:tensorplay_step_exposed_communication_seconds:min_mean5m{{job="{job}"}}')[""]
+        wire = _by_candidate(run, f'max by (candidate) (tensorplay_compression_candidate_wire_ratio{{job="{job}"}})')
+        print(f"exposed per step {exposed:.4f} s; candidates' wire ratios {wire}; would win back {wins}")
+        assert wins["fp16"] == pytest.approx(0, abs=1e-12) and wins["bf16"] == pytest.approx(0, abs=1e-12), wins
+        for name in ("powersgd_rank1", "powersgd_rank2", "powersgd_rank4"):
+            assert wins[name] == pytest.approx(exposed * (1 - wire[name] / 0.5)) and 0 < wins[name] < exposed, wins
     except BaseException:
         run.demo.stop()
         raise

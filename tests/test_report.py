@@ -23,6 +23,9 @@ import numpy as np
 import pytest
 
 import tensorplay.report
+from tensorplay.analysis.communication_text import (
+    CANDIDATE_COLUMNS, NOT_ADVISED, NOT_MEASURED, advice_notes, candidate_rows, job_sentence,
+)
 from tensorplay.analysis.span_reader import read_spans
 from tensorplay.analysis.summary import ModelSummary, summarize
 from tensorplay.cli import main
@@ -32,7 +35,7 @@ from tensorplay.report import build_report
 from tensorplay.report.build import ModelReport, Report
 from tensorplay.report.cli import demo_report_line
 from tensorplay.telemetry import DEFAULT_ERROR_EVERY
-from tensorplay.telemetry.names import HOOK_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr
+from tensorplay.telemetry.names import ADVICE_SPAN_NAME, HOOK_SPAN_NAME, OPTIMIZER_STEP_SPAN_NAME, Attr, Candidate
 
 from .chromium import chromium_path, visit
 from .demo_runs import Demo
@@ -174,6 +177,88 @@ def test_fp16_error_at_sampled_steps_and_half_the_bytes(two_ranks: Demo) -> None
     assert wire == handed / 2
 
 
+def test_exposed_communication_and_the_advice_are_the_analysis_figures(two_ranks: Demo) -> None:
+    """The demo (advice every 5 steps by default: steps 4 and 9 of 12), its page and its figures say
+    what communication costs the step and what each candidate would give, from the one derivation."""
+    demo = two_ranks
+    page = _demo_page(demo).read_text()
+    part = _only_model(build_report(demo.run_dir))
+    figures = part.summary.communication
+    assert len(figures.ranks) == 2 and all(r.steps == 11 for r in figures.ranks)  # every step after the first
+    assert figures.job.exposed_ms == min(r.exposed_ms for r in figures.ranks)
+    sentence = job_sentence(figures)
+    assert demo.communication() == sentence and f"<p class=\"says\">{html.escape(sentence)}</p>" in page
+    # Per rank, the figure's bars are its mean busy time and exposed communication, end to end.
+    drawing = part.figures["communication"]
+    for r in figures.ranks:
+        busy, exposed = _artist(drawing, f"busy-rank{r.rank}"), _artist(drawing, f"exposed-rank{r.rank}")
+        assert (busy.get_x(), busy.get_width()) == (0, pytest.approx(r.busy_ms))
+        assert (exposed.get_x(), exposed.get_width()) == (pytest.approx(r.busy_ms), pytest.approx(r.exposed_ms))
+    row = part.run.row(figures.job.rank)
+    drawn, _, _ = _artist(drawing, "steps-exposed").get_data()
+    np.testing.assert_allclose(drawn, part.run.busy_ms[row] + part.run.exposed_ms[row])  # the job's rank, each step
+    # The advice: every candidate, of both ranks' advised steps; fp16 halves float32 buckets, which the
+    # running hook (fp16_compress_hook) already does: nothing to win back there.
+    # An iteration whose turn comes while the previous advice is still computed is skipped: the first never is.
+    assert figures.advised_ranks == 2 and figures.advised_steps[0] == 4 and set(figures.advised_steps) <= {4, 9}
+    by_name = {c.candidate: c for c in figures.candidates}
+    assert figures.wire_ratio == by_name["fp16"].wire_ratio == by_name["bf16"].wire_ratio == 0.5
+    assert by_name["fp16"].win_back_ms == 0 and by_name["fp16"].nonfinite == 0
+    for name in ("powersgd_rank1", "powersgd_rank2", "powersgd_rank4"):
+        gain = by_name[name].win_back_ms
+        assert by_name[name].wire_ratio < 0.5 and 0 < gain < figures.job.exposed_ms, (name, gain)
+    for candidate in figures.candidates:
+        (point,) = _artist(part.figures["advice"], f"advice-{candidate.candidate}").get_offsets()
+        assert tuple(point) == (pytest.approx(candidate.wire_ratio), pytest.approx(candidate.error))
+    assert part.figures["advice"].axes[0].get_yscale() == "log"
+    # The demo's table and the page's are the analysis' cells.
+    assert [tuple(row.values()) for row in demo.candidates()] == candidate_rows(figures)
+    assert [list(row.keys()) for row in demo.candidates()] == [list(CANDIDATE_COLUMNS)] * len(Candidate.ALL)
+    table = re.search(r'<table class="figures" id="advice-table">(.*?)</table>', page).group(1)
+    assert re.findall(r"<tr>(.*?)</tr>", table)[1:] == [
+        "".join(f"<td>{html.escape(cell)}</td>" for cell in row) for row in candidate_rows(figures)]
+    for note in advice_notes(figures):
+        assert note in demo.stdout and html.escape(note) in page
+
+
+def test_the_advice_figure_draws_an_overflow_above_every_error_and_rings_it() -> None:
+    """A candidate without a finite error (fp16 overflowed on every advised iteration) is drawn above
+    the others, ringed red, never where a small error would be; an exact one (error 0) below them."""
+    from tensorplay.report import plots
+
+    from .test_communication_analysis import TWO_RANKS, _advice, _spans
+
+    overflow, exact = {Candidate.FP16: (float("nan"), 0.5, 9)}, {Candidate.BF16: (0.0, 0.5, 0)}
+    (summary,) = summarize(_spans(TWO_RANKS, advice=[_advice(0, 4, **overflow, **exact), _advice(1, 4, **overflow, **exact)]))
+    figure = plots.advice_figure(summary.communication)
+    heights = {name: _artist(figure, f"advice-{name}").get_offsets()[0][1] for name in Candidate.ALL}
+    others = [heights[name] for name in Candidate.ALL if name not in (Candidate.FP16, Candidate.BF16)]
+    assert heights[Candidate.FP16] > max(others) and heights[Candidate.BF16] < min(others), heights
+    assert _artist(figure, "advice-overflow-fp16").get_offsets()[0][1] == heights[Candidate.FP16]
+    assert not _artists(figure, "advice-overflow-bf16")
+    assert _artist(figure, "advice-running").get_xdata()[0] == summary.communication.wire_ratio
+
+
+def test_spans_of_a_run_without_the_step_timeline_or_advice_say_not_measured(
+        two_ranks: Demo, tmp_path: Path, capsys) -> None:
+    """Span files of a tensorplay before issue 36 (no step figures, no advice spans): the page is drawn
+    and says what was not measured, and how to get the advice."""
+    copy = _copy_spans(two_ranks, tmp_path, [0, 1])
+    for rank in (0, 1):
+        spans = [json.loads(line) for line in copy.spans(rank).read_text().splitlines()]
+        for span in spans:
+            for name in (Attr.STEP_BUSY_MS, Attr.STEP_EXPOSED_COMMUNICATION_MS, Attr.STEP_COMMUNICATION_MS):
+                span["attributes"].pop(name, None)
+        copy.spans(rank).write_text("".join(json.dumps(span) + "\n" for span in spans if span["name"] != ADVICE_SPAN_NAME))
+    code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
+    assert code == 0 and err == "", err
+    assert out.splitlines()[1] == f"communication: {NOT_MEASURED}"
+    page = (tmp_path / "page.html").read_text()
+    assert html.escape(f"Communication {NOT_MEASURED}.") in page and html.escape(f"{NOT_ADVISED}.") in page
+    assert page.count("<img ") == 5  # cost, compute, latency, bytes, compression: neither of the new two
+    assert [row["exposed comm"] for row in _page_table(page)] == ["-", "-"]
+
+
 def _cells(text: str) -> float:
     """The number a table cell shows ("12.34 ms", "21 %", "7")."""
     return float(text.split()[0])
@@ -223,18 +308,19 @@ def test_the_command_prints_the_verdict_line(two_ranks_straggler: Demo, tmp_path
     code, out, _ = _run_report(capsys, str(two_ranks_straggler.run_dir), "--out", str(tmp_path / "page.html"))
     assert code == 0
     lines = out.splitlines()
-    assert [lines[0], lines[-1]] == [two_ranks_straggler.verdict(), f"report: {tmp_path / 'page.html'}"]
+    assert [lines[0], lines[1], lines[-1]] == [two_ranks_straggler.verdict(), two_ranks_straggler.communication(),
+                                          f"report: {tmp_path / 'page.html'}"]
     # 10 optimizer steps per rank, fingerprinted after steps 5 and 10 (the demo's interval): the
     # spans show the 9 steps a later iteration followed, and step 5's fingerprint, which rode on the
     # iteration after it (step 10's had none after it).
-    assert lines[1:-1] == [
+    assert lines[2:-1] == [
         "gradient reductions: 1 per optimizer step on every rank (9 steps each): as it should be, each step's "
         "gradients reduced once",
         "unreduced optimizer steps: none (every step followed a reduction of the models it updated)",
         "replica fingerprints: equal on every rank at the 1 step compared (5): the replicas are the same model",
     ]
     assert {json.loads(line)["name"] for line in RunDir(two_ranks_straggler.run_dir).spans(0).read_text().splitlines()} \
-        == {HOOK_SPAN_NAME}  # no span but the hook calls': no optimizer step went unreduced
+        == {HOOK_SPAN_NAME, ADVICE_SPAN_NAME}  # no optimizer step span: none went unreduced
 
 
 def test_unreduced_steps_after_the_last_hook_call_are_named_from_their_own_spans(
@@ -245,9 +331,9 @@ def test_unreduced_steps_after_the_last_hook_call_are_named_from_their_own_spans
     assert code == 0
     lines = out.splitlines()
     demo_lines = two_ranks_never_synced.stdout.splitlines()
-    assert lines[1:4] == [line for line in demo_lines if line.startswith(("gradient reductions:", "unreduced optimizer",
+    assert lines[2:5] == [line for line in demo_lines if line.startswith(("gradient reductions:", "unreduced optimizer",
                                                                           "replica fingerprints:"))]
-    assert lines[2].startswith("unreduced optimizer steps: rank 0: 9 of 10, rank 1: 9 of 10, the first at step 2:")
+    assert lines[3].startswith("unreduced optimizer steps: rank 0: 9 of 10, rank 1: 9 of 10, the first at step 2:")
     assert '<section class="verdict" id="sync">' in (tmp_path / "page.html").read_text()
 
     copy = _copy_spans(two_ranks_never_synced, tmp_path, [0, 1])
@@ -313,7 +399,8 @@ def test_one_hook_on_two_models_is_reported_per_model(tmp_path: Path, capsys) ->
     code, out, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
     assert code == 0 and "more than one run" not in err, err
     assert [line.split(":")[0] for line in out.splitlines()] == [
-        "straggler (model 0)", "straggler (model 1)", "gradient synchronisation", "report"]  # no optimizer here
+        "straggler (model 0)", "straggler (model 1)", "communication (model 0)", "communication (model 1)",
+        "gradient synchronisation", "report"]  # no optimizer here
     spans = read_spans(tmp_path)
     report = build_report(tmp_path)
     assert [part.summary.model for part in report.models] == [0, 1] and not report.problems
@@ -370,7 +457,7 @@ def test_truncated_and_unknown_spans_are_named_and_the_rest_drawn(
     assert out.strip().splitlines()[-1] == f"report: {tmp_path / 'page.html'}"
     page = (tmp_path / "page.html").read_text()
     assert "Input that could not be read" in page and "the last line is truncated" in page
-    assert page.count("<img ") == 4  # cost, compute, latency, bytes: all the run has, still drawn
+    assert page.count("<img ") == 6  # cost, compute, communication, latency, bytes, advice: all the run has, still drawn
     assert "straggler:</strong> rank 1 " in page
 
 
@@ -407,7 +494,7 @@ def test_a_rank_without_spans_is_named_and_the_verdict_says_it_cannot_judge_it(
     page = (tmp_path / "page.html").read_text()
     assert html.escape(missing) in page and " · 2 of 3 ranks · " in page
     assert f'<section class="verdict unjudged" id="verdict"><strong>straggler:</strong> {html.escape(verdict[11:])}' in page
-    assert page.count("<img ") == 6  # every figure, of the two ranks read
+    assert page.count("<img ") == 8  # every figure, of the two ranks read
     # The demo's table says it too: the same derivation, rendered with what the demo injected.
     (summary,) = summarize(read_spans(tmp_path))
     facts = [RankFacts(rank, "sleeps 40 ms per step" if rank == 2 else None, None) for rank in range(3)]
@@ -420,7 +507,8 @@ def test_a_rank_without_spans_is_named_and_the_verdict_says_it_cannot_judge_it(
         span["attributes"][Attr.WORLD_SIZE] = span["resource"]["attributes"][Attr.WORLD_SIZE] = 4
 
     _rewrite(copy.spans(1), {index: says_four for index in (3, 4, 5)})
-    lines = [len(copy.spans(rank).read_text().splitlines()) for rank in (0, 1)]
+    lines = [sum(json.loads(line)["name"] != ADVICE_SPAN_NAME for line in copy.spans(rank).read_text().splitlines())
+             for rank in (0, 1)]  # the world size each hook span says (advice spans are not counted)
     code, _, err = _run_report(capsys, str(tmp_path), "--out", str(tmp_path / "page.html"))
     assert code == 2 and err.splitlines() == [
         f"tensorplay report: {missing}",
@@ -439,11 +527,15 @@ def test_a_damaged_line_is_skipped_and_counted_never_allocated_by(
     def setting(name: str, value: int) -> Callable[[dict], None]:
         return lambda span: span["attributes"].__setitem__(name, value)
 
-    _rewrite(copy.spans(1), {10: setting(Attr.STEP, 10**9), 11: setting(Attr.BUCKET_INDEX, 10**9),
-                             12: setting(Attr.BUCKET_BYTES, -5), 13: setting(Attr.RANK, 5)})
+    # Four hook calls' spans from the 11th on (an advice span, which ends when its advice is done, may lie between).
+    hook_lines = [index for index, line in enumerate(copy.spans(1).read_text().splitlines())
+                  if json.loads(line)["name"] == HOOK_SPAN_NAME][10:14]
+    _rewrite(copy.spans(1), dict(zip(hook_lines, (setting(Attr.STEP, 10**9), setting(Attr.BUCKET_INDEX, 10**9),
+                                                  setting(Attr.BUCKET_BYTES, -5), setting(Attr.RANK, 5)))))
     spans = read_spans(tmp_path)
     (problem,) = spans.problems
-    assert re.fullmatch(r"spans-rank1\.jsonl: 4 lines: implausible values \(a damaged line\?\), the first line 11: "
+    assert re.fullmatch(r"spans-rank1\.jsonl: 4 lines: implausible values \(a damaged line\?\), the first line "
+                        f"{hook_lines[0] + 1}: "
                         r"tensorplay\.step = 1000000000, where the run's median is [\d.]+ \(more than 4 x [\d.]+ \+ 100 "
                         r"is taken for damage\); skipped", problem), problem
     assert spans.hooks.step.max() == steps and spans.hooks.bucket.max() < 100
@@ -453,7 +545,7 @@ def test_a_damaged_line_is_skipped_and_counted_never_allocated_by(
     assert out.splitlines()[0].startswith("straggler: rank 1 costs the job")
     assert html.escape(problem) in (tmp_path / "page.html").read_text()
     # Only these lines: a rank's resource says the job's size, so a rank beyond it is damage.
-    _rewrite(copy.spans(1), {13: setting(Attr.RANK, 1)})
+    _rewrite(copy.spans(1), {hook_lines[3]: setting(Attr.RANK, 1)})
     (problem,) = read_spans(tmp_path).problems
     assert problem.startswith("spans-rank1.jsonl: 3 lines: implausible values")
 
@@ -480,7 +572,9 @@ def test_page_renders_in_headless_chromium(three_ranks_uneven_straggler: Demo, t
     assert seen.errors == []
     assert seen.requests[0] == page.as_uri()
     assert all(url.startswith("data:image/png;base64,") for url in seen.requests[1:])  # self-contained
-    assert len(seen.images) == 6
+    assert len(seen.images) == 8
+    assert {"Busy time and exposed communication per step, per rank",
+            "What another hook would give: the compression advice"} <= {image["alt"] for image in seen.images}
     for image in seen.images:
         assert image["complete"] and image["width"] > 0 and image["height"] > 0 and image["shown"] > 0, image
     (tmp_path / "report.png").write_bytes(seen.screenshot)

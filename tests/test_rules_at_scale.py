@@ -16,6 +16,7 @@ promtool and prometheus are required: a missing one fails the tests (CI installs
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import replace
 from typing import Iterator
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 
 from tensorplay.analysis.straggler import MAX_RANKS_PER_JOB, WINDOW_S, WINDOWS, job_noise, outliers, shares_of
-from tensorplay.telemetry.names import Metric
+from tensorplay.telemetry.names import Candidate, Metric
 
 from .alert_firing import Alert, firing, notifications
 from .alert_rules import alert_rules, alerts
@@ -258,6 +259,54 @@ def test_the_jobs_exposed_communication_is_that_of_the_rank_everybody_waits_for(
     # Its other buckets' collectives are hidden; what is exposed is its end-of-step collective (and wait).
     own = exposed[str(straggler)]
     assert hidden[str(straggler)] == pytest.approx(1 - own / (own + (BUCKETS_PER_STEP - 1) * COLLECTIVE_S), rel=0.05)
+
+
+WIN_BACK_PANEL = "Exposed communication a candidate compression could win back per step (job, estimate)"
+
+
+def test_the_advice_panels_draw_each_candidate_per_job_and_the_win_back_is_the_models(backfilled) -> None:
+    """64 ranks serve each candidate's gauges: the job row's advice panels draw one line per job and
+    candidate (no rank reaches them), the win-back estimate on the x1.6 straggler's job is its exposed
+    communication x (1 - the candidate's wire ratio / fp16_compress_hook's 0.5), and on the overflow job
+    fp16's worst error is +Inf and its non-finite elements every overflowing rank's."""
+    jobs, server, at = backfilled
+    advice = [(title, expr) for path in dashboard_paths()
+              for title, expr, _ in dashboard_queries(path, rate_interval="1m", time_range=f"{MINUTES * 60}s")
+              if title.startswith("Candidate compressions: ") or title == WIN_BACK_PANEL]
+    assert len(advice) == 5  # the error's median and worst rank, the wire ratio, the non-finite, the win-back
+
+    def by_job(expr: str) -> dict[str, dict[str, float]]:
+        """``{job: {candidate: value}}``, every series of the query at ``at`` (none may carry a rank)."""
+        out: dict[str, dict[str, float]] = defaultdict(dict)
+        for series in server.query(expr, at):
+            assert "rank" not in series["metric"], expr
+            out[series["metric"]["job"]][series["metric"]["candidate"]] = float(series["value"][1])
+        return out
+
+    answers = {expr: by_job(expr) for _, expr in advice}
+    for title, expr in advice:
+        assert {job: set(values) for job, values in answers[expr].items()} == {job: set(Candidate.ALL) for job in jobs}, title
+
+    name = _scenario(jobs, slow_factor=1.6, slow_ranks=(RANKS // 3,)).scenario.job
+    (exposed,) = server.query_values(
+        f'job:tensorplay_step_exposed_communication_seconds:min_mean5m{{job="{name}"}}', by="job", at=at).values()
+    (win_back,) = [expr for title, expr in advice if title == WIN_BACK_PANEL]
+    wins = answers[win_back][name]
+    wire = by_job(f'max by (job, candidate) (tensorplay_compression_candidate_wire_ratio{{job="{name}"}})')[name]
+    assert wins == pytest.approx({candidate: exposed * max(0.0, 1 - wire[candidate] / 0.5) for candidate in Candidate.ALL})
+    assert wins[Candidate.FP16] == 0 < wins[Candidate.POWERSGD_RANK4] < wins[Candidate.POWERSGD_RANK1] < exposed
+
+    overflow = _scenario(jobs, overflow_hooks=HOOKS)
+    (median, worst) = [expr for title, expr in advice if "error at the latest advice" in title]
+    errors = answers[worst][overflow.scenario.job]
+    overflowing = int((overflow._overflow_rate > 0).sum())
+    assert math.isinf(errors[Candidate.FP16]) and overflowing < RANKS
+    # Most of its ranks overflow: the median rank's fp16 error is +Inf too.
+    assert math.isinf(answers[median][overflow.scenario.job][Candidate.FP16]) == (overflowing > RANKS / 2)
+    assert all(math.isfinite(errors[candidate]) for candidate in Candidate.ALL if candidate != Candidate.FP16)
+    (made,) = [answers[expr][overflow.scenario.job] for title, expr in advice if "non-finite" in title]
+    assert made[Candidate.FP16] == len(HOOKS) * float(overflow._overflow_rate.sum()) > 0
+    assert all(made[candidate] == 0 for candidate in Candidate.ALL if candidate != Candidate.FP16)
 
 
 @pytest.mark.parametrize("kind", ["lognormal", "pareto"])

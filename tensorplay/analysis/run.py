@@ -19,6 +19,10 @@ counters of all ranks stay aligned).
 A rank's end-of-step waits (what the straggler verdict weighs) are the latencies of each step's
 last bucket, over the steps every rank trained after the first, and the time each of those steps
 took on its own clock: from the end of the step before to its own end.
+
+The step timeline (busy time, exposed communication, communication) is laid out per rank and step
+from the span that closed each counted iteration, and the model's advice spans are kept beside it:
+:mod:`.communication` derives what communication costs the step from them.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 
 from tensorplay.analysis.straggler import RankWait
 
-from .span_reader import HookSpans, JoinSpan, Spans
+from .span_reader import AdviceSpan, HookSpans, JoinSpan, Spans
 
 __all__ = ["Run", "HookBytes", "SampledErrors", "models", "aggregate"]
 
@@ -92,6 +96,14 @@ class Run:
     """Unix time of the first span: the origin of the Join figure."""
     duplicates: int
     """Spans of a (rank, model, step, bucket) already seen: two runs in the same files?"""
+    busy_ms: np.ndarray
+    """[rank, step] busy time of each counted iteration (``tensorplay.step.busy_ms``); NaN where not counted."""
+    exposed_ms: np.ndarray
+    """[rank, step] exposed communication of each counted iteration; NaN where not counted."""
+    communication_ms: np.ndarray
+    """[rank, step] time with one of the iteration's collectives in flight; NaN where not counted."""
+    advice: list[AdviceSpan]
+    """The model's ``tensorplay.advice`` spans, in rank and step order."""
 
     @property
     def steps(self) -> int:
@@ -235,6 +247,9 @@ def aggregate(spans: Spans, model: int = 0) -> Run:
         compute[:, 1:] = np.where(observed, gaps, np.nan)
 
     shadowing = shadowed[row, hooks.step]
+    timeline = {name: _per_step(getattr(hooks, column), row, hooks.step, (len(ranks), steps))
+                for name, column in (("busy_ms", "busy_ms"), ("exposed_ms", "exposed_communication_ms"),
+                                     ("communication_ms", "communication_ms"))}
     starts = np.concatenate([hooks.start_s, [join.start_s for join in joins]])
     return Run(
         model=model,
@@ -255,7 +270,18 @@ def aggregate(spans: Spans, model: int = 0) -> Run:
         joins=sorted(joins, key=lambda join: (join.rank, join.start_s)),
         start_s=float(starts.min()) if len(starts) else 0.0,
         duplicates=duplicates,
+        **timeline,
+        advice=sorted((advice for advice in spans.advice if advice.model == model),
+                      key=lambda advice: (advice.rank, advice.step)),
     )
+
+
+def _per_step(values: np.ndarray, row: np.ndarray, step: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """[rank, step] of a figure only the span that closed its iteration carries (NaN on the others)."""
+    out = np.full(shape, np.nan)
+    carried = ~np.isnan(values)
+    out[row[carried], step[carried]] = values[carried]
+    return out
 
 
 def _of_model(hooks: HookSpans, model: int) -> HookSpans:

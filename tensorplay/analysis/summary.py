@@ -5,7 +5,8 @@ rank and the straggler verdict, all from the same :class:`~tensorplay.analysis.r
 allreduce p50 and the end-of-step waits over the steps every rank trained, compute per step as
 ``tensorplay_step_compute_seconds`` defines it, bytes, compression error, and the Join figures;
 and which ranks of the job's world size the spans lack (:mod:`.world`), which the verdict says it
-cannot judge. Renderers format these numbers; none of them derives one.
+cannot judge; and what communication costs the step, with the compression advice
+(:mod:`.communication`). Renderers format these numbers; none of them derives one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .communication import Communication, communication
 from .run import Run, aggregate, models
 from .span_reader import Spans
 from .straggler import Lateness, Verdict, lateness, straggler_verdict
@@ -46,6 +48,10 @@ class RankSummary:
     """How much of every step the job waits for it (None: fewer than two ranks measured)."""
     join_wait_ms: float | None
     last_joiner: bool | None
+    exposed_ms: float | None
+    """Mean exposed communication per counted iteration (None: not measured)."""
+    hidden_share: float | None
+    """The share of its communication the backward hid (None: not measured, or no collective in flight)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class ModelSummary:
     ranks: list[RankSummary]
     verdict: Verdict
     """Of the ranks read, saying first which ranks of the world size it cannot judge (no spans)."""
+    communication: Communication
+    """What communication costs the step and what another hook would give."""
     world: World | None = None
     """The world size the run's spans say and the ranks they lack (None: not looked at)."""
 
@@ -73,10 +81,12 @@ def summarize_run(run: Run, world_of_run: World | None = None) -> ModelSummary:
     waits = run.end_waits()
     figures = {f.rank: f for f in lateness(waits)}
     p50, compute, trained = run.latency_ms_p50(), run.compute_ms_mean(), run.trained_steps()
+    timeline = communication(run)
     rows = []
     for row, rank in enumerate(run.ranks.tolist()):
         joins = [join for join in run.joins if join.rank == rank]
         wait = waits[row]
+        own = timeline.of_rank(rank)
         rows.append(RankSummary(
             rank=rank,
             steps=int(trained[row]),
@@ -91,9 +101,12 @@ def summarize_run(run: Run, world_of_run: World | None = None) -> ModelSummary:
             lateness=figures.get(rank),
             join_wait_ms=sum(join.wait_ms for join in joins) if joins else None,
             last_joiner=joins[-1].last_joiner if joins else None,
+            exposed_ms=None if own is None else own.exposed_ms,
+            hidden_share=None if own is None else own.hidden_share,
         ))
     verdict = straggler_verdict(waits)
-    return ModelSummary(run, rows, verdict if world_of_run is None else world_of_run.judged(verdict), world_of_run)
+    return ModelSummary(run, rows, verdict if world_of_run is None else world_of_run.judged(verdict), timeline,
+                        world_of_run)
 
 
 def summarize(spans: Spans) -> list[ModelSummary]:

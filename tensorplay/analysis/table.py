@@ -7,7 +7,8 @@ from .summary import ModelSummary, RankSummary
 __all__ = ["COLUMNS", "rank_rows"]
 
 COLUMNS = ("rank", "steps", "shadowed", "allreduce p50", "wire sent", "handed over", "rel. error", "non-finite",
-           "compute mean", "end wait", "costs the job", "latest on", "median late", "join wait", "last joiner")
+           "compute mean", "exposed comm", "hidden",
+           "end wait", "costs the job", "latest on", "median late", "join wait", "last joiner")
 
 
 def _size(n: int) -> str:
@@ -33,6 +34,8 @@ def _row(r: RankSummary) -> tuple[str, ...]:
         _or_dash(r.relative_error, ".2e"),
         str(r.nonfinite),
         _or_dash(r.compute_ms_mean, ".1f", " ms"),
+        _or_dash(r.exposed_ms, ".1f", " ms"),
+        "-" if r.hidden_share is None else f"{100 * r.hidden_share:.0f} %",
         _or_dash(r.end_wait_ms, ".1f", " ms"),
         "-" if late is None else f"{100 * max(late.share, 0.0):.0f} %",
         "-" if late is None else f"{late.latest_steps}/{late.steps}",

@@ -41,8 +41,10 @@ HOOK_NAMES: tuple[str, ...] = tuple(_HOOKS)
 DEFAULT_HOOK = "fp16_compress_hook"
 
 
-def traced_hook(name: str, blocked_at: Optional[tuple[int, Any]] = None) -> tuple[Hook, Any]:
-    """Return ``(traced(hook), state)`` for the hook called ``name``, ready for ``register_comm_hook``.
+def traced_hook(name: str, blocked_at: Optional[tuple[int, Any]] = None,
+                advise_every: Optional[int] = None) -> tuple[Hook, Any]:
+    """Return ``(traced(hook, advise_every=advise_every), state)`` for the hook called ``name``, ready
+    for ``register_comm_hook`` (``advise_every`` None: the library's default).
 
     ``blocked_at=(step, group)`` injects a hang inside a collective (``--hang-inside-collective``):
     at that step the first bucket is reduced over ``group``, which the peers never join, and the
@@ -51,7 +53,7 @@ def traced_hook(name: str, blocked_at: Optional[tuple[int, Any]] = None) -> tupl
     hook, state = _HOOKS[name]()
     if blocked_at is not None:
         hook = _blocked_in_collective(hook, *blocked_at)
-    return traced(hook), state
+    return traced(hook, advise_every=advise_every), state
 
 
 def _blocked_in_collective(hook: Hook, step: int, group: Any) -> Hook:

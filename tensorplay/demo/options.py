@@ -27,6 +27,7 @@ __all__ = [
     "NO_SYNC_BUGS",
     "hang_step",
     "accumulation_steps",
+    "DEFAULT_ADVISE_EVERY",
 ]
 
 DEFAULT_STEPS = 40
@@ -37,6 +38,9 @@ STRAGGLER_KINDS = ("sleep", "batch")
 DEFAULT_STALL_TIMEOUT_S = 60.0
 NO_SYNC_BUGS = ("backward-only", "never-ends")
 BACKWARD_ONLY_ACCUMULATION = 4
+DEFAULT_ADVISE_EVERY = 5
+"""The demo advises one step in 5 (steps 4, 9, ...): the library's default, 250, would advise no step of a
+demo run (the demo model's gradients are 2.6 MB, a small copy per advised step)."""
 _HOOKS_ON_A_PROCESS_GROUP = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
                              "fp16_compress_wrapper(allreduce_hook)", "bf16_compress_wrapper(allreduce_hook)")
 
@@ -102,6 +106,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, metrics_addr: str | None 
     parser.add_argument("--hang-inside-collective", action="store_true",
                         help="extra flag: --hang-rank blocks inside a traced collective its peers never join "
                              "(every rank then waits in one: no rank to blame); default hooks only")
+    parser.add_argument("--advise-every", type=int, default=DEFAULT_ADVISE_EVERY, metavar="N",
+                        help="extra flag: take the compression advice on one step in N, steps N-1, 2N-1, ... "
+                             "(traced(hook, advise_every=N); 0: never; default "
+                             f"{DEFAULT_ADVISE_EVERY}, where the library's is 250)")
     parser.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="T",
                         help="when no rank made progress for T seconds, print a hang report, stop every rank "
                              f"and exit 3 (default {DEFAULT_STALL_TIMEOUT_S:g})")
@@ -149,6 +157,8 @@ def job_problem(args: argparse.Namespace, world_size: int, local_world_size: int
         return problem
     if args.linger_s < 0:
         return f"--linger-s must be >= 0, got {args.linger_s:g}"
+    if args.advise_every < 0:
+        return f"--advise-every must be >= 0 (0: never), got {args.advise_every}"
     if args.stall_timeout_s <= 0:
         return f"--stall-timeout-s must be > 0, got {args.stall_timeout_s:g}"
     return _hang_problem(args, world_size)
@@ -192,7 +202,8 @@ def job_argv(args: argparse.Namespace) -> list[str]:
     """Turn parsed job flags back into the command line every rank gets."""
     argv = ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--hook", args.hook,
             "--straggler-delay-ms", repr(args.straggler_delay_ms), "--straggler-kind", args.straggler_kind,
-            "--straggler-batch-factor", str(args.straggler_batch_factor), "--linger-s", repr(args.linger_s)]
+            "--straggler-batch-factor", str(args.straggler_batch_factor), "--linger-s", repr(args.linger_s),
+            "--advise-every", str(args.advise_every)]
     optional = {
         "--straggler-rank": args.straggler_rank,
         "--hang-rank": args.hang_rank,

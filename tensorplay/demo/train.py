@@ -205,7 +205,7 @@ def train(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     model = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
-    hook, state = traced_hook(args.hook, _blocked_collective(args, rank, world_size))
+    hook, state = traced_hook(args.hook, _blocked_collective(args, rank, world_size), args.advise_every)
     model.register_comm_hook(state, hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     data = _SyntheticData(rank)

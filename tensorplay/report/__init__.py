@@ -1,9 +1,10 @@
 """``tensorplay report``: a run's spans as one self-contained HTML page of figures.
 
 It reads the JSON-lines span files a run leaves (``tensorplay demo``'s run directory, or any job
-with ``configure_tracing(span_file='spans-rank{rank}.jsonl')``) and draws, per rank and step: compute time, allreduce
-latency heatmaps, bytes per hook, compression error and non-finite counts, Join timing, and the
-straggler verdict and per-rank table of the demo's. Every figure comes from :mod:`tensorplay.analysis`
+with ``configure_tracing(span_file='spans-rank{rank}.jsonl')``) and draws, per rank and step: compute time, busy
+time and exposed communication, allreduce latency heatmaps, bytes per hook, compression error and
+non-finite counts, the compression advice's candidates, Join timing, and the straggler verdict,
+communication sentence and per-rank table of the demo's. Every figure comes from :mod:`tensorplay.analysis`
 (which reads the spans and derives them, for the demo too); here :mod:`.plots` draws (matplotlib,
 the ``report`` extra), :mod:`.page` writes the HTML, :mod:`.build` puts them together and
 :mod:`.cli` is the command.

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tensorplay.analysis.communication import NO_PAYOFF_SHARE
+from tensorplay.analysis.communication_text import (
+    CANDIDATE_COLUMNS, NOT_ADVISED, NOT_MEASURED, advice_notes, candidate_rows, job_sentence,
+)
 from tensorplay.analysis.replicas import ReplicaSync, replica_sync
 from tensorplay.analysis.run import Run
 from tensorplay.analysis.span_reader import Spans, read_spans
@@ -81,8 +85,12 @@ class Report:
         return problems
 
     def verdict_lines(self) -> list[str]:
-        """The straggler verdict of each model, then the run's gradient synchronisation, as ``tensorplay report`` prints them."""
-        return [f"straggler{_model_label(self, part)}: {part.verdict.evidence}" for part in self.models] + self.sync.lines()
+        """The straggler verdict of each model, as ``tensorplay report`` prints it."""
+        return [f"straggler{_model_label(self, part)}: {part.verdict.evidence}" for part in self.models]
+
+    def communication_lines(self) -> list[str]:
+        """What communication costs each model's step, the demo's sentence, as ``tensorplay report`` prints it."""
+        return [job_sentence(part.summary.communication, _model_label(self, part)) for part in self.models]
 
 
 def _model_label(report: Report, part: ModelReport) -> str:
@@ -120,6 +128,8 @@ def report_from_spans(source: Path, spans: Spans) -> Report:
         parts.append(ModelReport(summary, {
             "cost": plots.cost_figure(summary),
             "compute": plots.compute_figure(run, verdict),
+            "communication": plots.communication_figure(run, summary.communication),
+            "advice": plots.advice_figure(summary.communication),
             "latency": plots.latency_figure(run, verdict),
             "bytes": plots.bytes_figure(run),
             "compression": plots.compression_figure(run),
@@ -136,6 +146,7 @@ def _subset(ranks: int, shown: int, which: str) -> str:
 def _captions(run: Run, plots) -> list[tuple[str, str, str, str]]:
     """(key, title, how to read it, note when not drawn) of each section, in page order."""
     ranks = len(run.ranks)
+    shown_ranks = _subset(ranks, plots.TIMELINE_RANKS, "the least exposed communication, the job's first")
     hooks = ", ".join(hook.hook for hook in run.hook_bytes) or "none"
     return [
         ("cost", "What each rank costs the job",
@@ -155,6 +166,15 @@ def _captions(run: Run, plots) -> list[tuple[str, str, str, str]]:
             f"and the strip shows the {plots.TOP_K} that shadowed most" if ranks > plots.TOP_K else "")
          + ". Squares below mark steps a rank shadowed inside Join, which are not its compute.",
          "No compute time: a rank needs spans of two consecutive steps it trained itself."),
+        ("communication", "Busy time and exposed communication per step, per rank",
+         "Per rank, its mean step: grey its busy time (its own work: data, forward and the backward up to its last "
+         "bucket), orange its exposed communication (from its last hook call until its last hook future was done: "
+         "what the backward could not hide), with the share of its communication the backward hid. The rank with "
+         "the least exposed communication is the one the others wait for: theirs also holds their wait for it, its "
+         "own is the job's, and the most a compression hook or another bucket size can win back. On the right, "
+         "that rank step by step. Below "
+         f"{100 * NO_PAYOFF_SHARE:.0f} % of the step, no compression will pay" + shown_ranks + ".",
+         f"Communication {NOT_MEASURED}."),
         ("latency", "Allreduce latency, ranks x steps and ranks x buckets",
          "Dark is short, bright is long. The rank everyone waits for arrives last and waits least, so a dark row is "
          "a straggler; a bright column is a step slow for all; on the right, a bucket that is bright on every row "
@@ -172,6 +192,13 @@ def _captions(run: Run, plots) -> list[tuple[str, str, str, str]]:
          "Below, per step, elements compression made non-finite (fp16 overflow) and elements that arrived "
          "non-finite.",
          f"Nothing to show: no sampled compression error and no non-finite element (hooks: {hooks})."),
+        ("advice", "What another hook would give: the compression advice",
+         "Each candidate compression at the bytes it would send per byte DDP handed over (left: fewer bytes) and the "
+         "error it would have made of the advised iterations' gradients (down: more exact), both on log scales: the "
+         "dot is the median over the advised iterations of every rank, the bar reaches the worst; a red ring marks "
+         "a candidate that would have made elements non-finite (fp16 overflow); the dotted line is what the running "
+         "hook sends. The table says what each would win back per step: an estimate, by the model written beneath it.",
+         f"{NOT_ADVISED}."),
         ("join", "Join: uneven inputs",
          "Per rank, blue until it ran out of inputs, orange while it shadowed its peers' collectives until all had "
          "joined (its wait); on the right, the iterations it shadowed. Uneven inputs, not stragglers"
@@ -186,9 +213,18 @@ def _picture(figure: Figure, plots) -> Picture:
     return Picture(plots.png(figure), int(round(width)), int(round(height)))
 
 
+def _words(part: ModelReport) -> dict[str, dict]:
+    """What the communication sections say above their pictures: the job's sentence; the candidates' table and notes."""
+    figures = part.summary.communication
+    advice = {"paragraphs": tuple(advice_notes(figures)), "table": (CANDIDATE_COLUMNS, candidate_rows(figures))}
+    return {"communication": {"paragraphs": (job_sentence(figures),)} if figures.job is not None else {},
+            "advice": advice if figures.candidates else {}}
+
+
 def _model_part(report: Report, part: ModelReport, plots) -> ModelPart:
+    words = _words(part)
     sections = [Section(key, title, caption, None if part.figures[key] is None
-                        else _picture(part.figures[key], plots), note)
+                        else _picture(part.figures[key], plots), note, **words.get(key, {}))
                 for key, title, caption, note in _captions(part.run, plots)]
     run = part.run
     heading = (f"model {part.summary.model}: {len(run.ranks)} ranks, {run.steps} steps"
@@ -207,9 +243,11 @@ def render_html(report: Report) -> str:
     models = f" · {len(report.models)} models" if len(report.models) > 1 else ""
     world = report.world
     of_size = f" of {world.size}" if world is not None and world.missing else ""
+    spans = report.spans
+    span_count = len(spans.hooks) + len(spans.joins) + len(spans.optimizer_steps) + len(spans.advice)
     run_line = (f"{report.source} · {len(ranks)}{of_size} ranks{models} · {steps} steps · "
                 f"hook {', '.join(hooks) or 'none'} · "
-                f"{len(report.spans.hooks) + len(report.spans.joins) + len(report.spans.optimizer_steps)} spans from {len(files)} "
+                f"{span_count} spans from {len(files)} "
                 f"file{'s' if len(files) != 1 else ''}")
     return html_page("tensorplay report", run_line, report.problems,
                      [_model_part(report, part, plots) for part in report.models],

@@ -22,7 +22,8 @@ def add_report_command(commands: argparse._SubParsersAction) -> None:
         help="draw a run's spans as one self-contained HTML page",
         description="Read the span files (*.jsonl) of a run - tensorplay demo's run directory, or any job's "
                     "configure_tracing(span_file='spans-rank{rank}.jsonl') - and write one HTML page of figures: compute per step per "
-                    "rank, allreduce latency heatmaps, bytes per hook, compression error, Join, and the straggler "
+                    "rank, busy time and exposed communication, allreduce latency heatmaps, bytes per hook, compression "
+                    "error, what another hook would give (the compression advice), Join, and the straggler "
                     f"verdict. Needs matplotlib ({INSTALL_HINT}). Exit status 2 when some input could not be "
                     "read or is missing: a rank of the job with no spans, which the verdict cannot judge (what "
                     "could be read is still drawn).",
@@ -51,7 +52,7 @@ def report_command(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     for problem in report.problems:
         print(f"tensorplay report: {problem}", file=sys.stderr)
-    for line in report.verdict_lines():
+    for line in report.verdict_lines() + report.communication_lines() + report.sync.lines():
         print(line)
     print(f"report: {out}")
     return EXIT_BAD_INPUT if report.problems else 0

@@ -28,6 +28,10 @@ class Section:
     picture: Picture | None
     note: str = ""
     """Shown instead of the picture when the run has nothing to draw there."""
+    table: tuple[tuple[str, ...], list[tuple[str, ...]]] | None = None
+    """Column names and rows of cells, shown first, above the picture."""
+    paragraphs: tuple[str, ...] = ()
+    """What the section says in words, below its table and above its picture."""
 
 
 @dataclass(frozen=True)
@@ -71,21 +75,34 @@ code { font-size: 0.95em; }
 table.ranks { border-collapse: collapse; font-size: 0.7em; margin: 0.8em 0; }
 table.ranks th, table.ranks td { padding: 0.15em 0.3em; text-align: right; border-bottom: 1px solid #ddd;
                                 white-space: nowrap; }
+table.ranks th { white-space: normal; vertical-align: bottom; }
+p.says { margin: 0.3em 0; }
+table.figures { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+table.figures th, table.figures td { padding: 0.15em 0.6em; text-align: right; border-bottom: 1px solid #ddd; }
+table.figures td:first-child, table.figures th:first-child { text-align: left; }
 """
 
 
 def _section(section: Section, prefix: str) -> str:
-    body = (f'<img alt="{escape(section.title)}" width="{section.picture.width}" height="{section.picture.height}" '
-            f'src="data:image/png;base64,{base64.b64encode(section.picture.png).decode("ascii")}">'
-            if section.picture is not None else f'<p class="note">{escape(section.note)}</p>')
+    table = f'class="figures" id="{escape(prefix + section.key)}-table"'
+    says = "" if section.table is None else _cells(*section.table, table) + "\n"
+    says += "".join(f'<p class="says">{escape(paragraph)}</p>\n' for paragraph in section.paragraphs)
+    body = says + (f'<img alt="{escape(section.title)}" width="{section.picture.width}" '
+                   f'height="{section.picture.height}" '
+                   f'src="data:image/png;base64,{base64.b64encode(section.picture.png).decode("ascii")}">'
+                   if section.picture is not None else f'<p class="note">{escape(section.note)}</p>')
     return (f'<section id="{escape(prefix + section.key)}">\n<h2>{escape(section.title)}</h2>\n'
             f'<p class="how">{escape(section.caption)}</p>\n{body}\n</section>')
 
 
+def _cells(columns: tuple[str, ...], rows: list[tuple[str, ...]], attributes: str) -> str:
+    head = "".join(f"<th>{escape(column)}</th>" for column in columns)
+    body = "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table {attributes}><tr>{head}</tr>{body}</table>"
+
+
 def _table(part: ModelPart, prefix: str) -> str:
-    head = "".join(f"<th>{escape(column)}</th>" for column in part.columns)
-    rows = "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in part.rows)
-    return f'<table class="ranks" id="{prefix}ranks"><tr>{head}</tr>{rows}</table>'
+    return _cells(part.columns, part.rows, f'class="ranks" id="{prefix}ranks"')
 
 
 def _model(part: ModelPart, index: int, several: bool) -> str:

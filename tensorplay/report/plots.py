@@ -6,7 +6,8 @@ was drawn. Figures stay readable and small at any scale: lines for at most ``TOP
 highest mean compute) beside the median and 10-90% band of all ranks, heatmaps of at most
 ``HEATMAP_RANKS`` rows and ``HEATMAP_STEPS`` columns (steps averaged in bins beyond that), the
 ``JOIN_RANKS`` ranks that shadowed most in the Join panel, the ``COST_RANKS`` highest shares in
-the cost panel.
+the cost panel, the ``TIMELINE_RANKS`` with the least exposed communication (the job's own first)
+in the communication panel.
 matplotlib's object API is used without pyplot: no global state, no display needed.
 """
 
@@ -20,18 +21,22 @@ from matplotlib.colors import Normalize
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 from matplotlib.figure import Figure
 
+from tensorplay.analysis.communication import Communication
+from tensorplay.analysis.communication_text import wire_ratio
 from tensorplay.analysis.run import Run
 from tensorplay.analysis.straggler import CRITICAL_SHARE, MIN_LATENESS_S, WINDOWS, Verdict
 from tensorplay.analysis.summary import ModelSummary
 
-__all__ = ["TOP_K", "HEATMAP_RANKS", "HEATMAP_STEPS", "JOIN_RANKS", "COST_RANKS", "cost_figure", "compute_figure",
-           "latency_figure", "bytes_figure", "compression_figure", "join_figure", "png"]
+__all__ = ["TOP_K", "HEATMAP_RANKS", "HEATMAP_STEPS", "JOIN_RANKS", "COST_RANKS", "TIMELINE_RANKS", "cost_figure",
+           "compute_figure", "communication_figure", "advice_figure", "latency_figure", "bytes_figure",
+           "compression_figure", "join_figure", "png"]
 
 TOP_K = 8
 HEATMAP_RANKS = 64
 HEATMAP_STEPS = 1000
 JOIN_RANKS = 16
 COST_RANKS = 32
+TIMELINE_RANKS = 16
 _WIDTH_IN = 11.0
 _DPI = 100
 _STRAGGLER_COLOR = "#d62728"
@@ -316,4 +321,89 @@ def join_figure(run: Run) -> Figure | None:
         shadow_axes.text(count, y, f" {count}", va="center", fontsize="small")
     shadow_axes.set_xlabel("iterations shadowed")
     shadow_axes.margins(x=0.25)
+    return figure
+
+
+_BUSY_COLOR, _EXPOSED_COLOR = "0.65", "C1"
+
+
+def communication_figure(run: Run, figures: Communication) -> Figure | None:
+    """Per rank, busy time and exposed communication per step (means); the job's rank step by step."""
+    if figures.job is None:
+        return None
+    shown = sorted(sorted(figures.ranks, key=lambda r: (r.exposed_ms, r.rank))[:TIMELINE_RANKS], key=lambda r: r.rank)
+    figure = Figure(figsize=(_WIDTH_IN, min(2.0 + 0.3 * len(shown), 7.5)), layout="constrained")
+    rank_axes, step_axes = figure.subplots(1, 2, width_ratios=[3, 2])
+    positions = np.arange(len(shown))
+    busy = rank_axes.barh(positions, [r.busy_ms for r in shown], height=0.6, color=_BUSY_COLOR, label="busy")
+    exposed = rank_axes.barh(positions, [r.exposed_ms for r in shown], left=[r.busy_ms for r in shown], height=0.6,
+                             color=_EXPOSED_COLOR, label="exposed communication")
+    for bar, r in zip(busy.patches, shown):
+        bar.set_gid(f"busy-rank{r.rank}")
+    for bar, r in zip(exposed.patches, shown):
+        bar.set_gid(f"exposed-rank{r.rank}")
+        hidden = "" if r.hidden_share is None else f", hides {100 * r.hidden_share:.0f} %"
+        rank_axes.text(r.step_ms, bar.get_y() + bar.get_height() / 2,
+                       f" {r.exposed_ms:.1f} ms ({100 * r.exposed_share:.0f} %){hidden}", va="center", fontsize="small")
+    job = figures.job.rank
+    rank_axes.set_yticks(positions, [f"rank {r.rank}" + (" (waited for)" if r.rank == job else "") for r in shown],
+                         fontsize="small")
+    rank_axes.invert_yaxis()
+    rank_axes.set_xlim(0, max(r.step_ms for r in shown) * 1.6)
+    rank_axes.set_xlabel("ms per step, mean over its counted steps")
+    rank_axes.legend(loc="lower left", bbox_to_anchor=(0, 1), ncols=2, fontsize="small", frameon=False)
+    row = run.row(job)
+    busy_ms, exposed_ms = run.busy_ms[row], run.exposed_ms[row]  # NaN where not counted: a gap
+    edges = np.arange(run.steps + 1) - 0.5
+    step_axes.stairs(busy_ms, edges, fill=True, color=_BUSY_COLOR, gid="steps-busy")
+    step_axes.stairs(busy_ms + exposed_ms, edges, baseline=busy_ms, fill=True, color=_EXPOSED_COLOR,
+                     gid="steps-exposed")
+    step_axes.set_ylim(0, float(np.nanmax(busy_ms + exposed_ms)) * 1.08)
+    step_axes.set_title(f"rank {job}, the one the others wait for, each step", fontsize="small", loc="left")
+    step_axes.set_xlabel("step")
+    step_axes.set_ylabel("ms")
+    step_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    step_axes.grid(axis="y", alpha=0.3)
+    return figure
+
+
+def advice_figure(figures: Communication) -> Figure | None:
+    """Each candidate's error (log) against the bytes it would send per byte handed over (log)."""
+    candidates = figures.candidates
+    if not candidates:
+        return None
+    errors = [e for c in candidates for e in (c.error, c.worst_error) if e is not None and e > 0]
+    # Off the log scale, each drawn where it says what it is: an exact candidate (error 0) below every
+    # other, one without a finite error (fp16 overflow, NaN gradients) above every other.
+    floor, ceiling = (min(errors) / 10, max(max(errors) * 10, 1.0)) if errors else (1e-8, 1.0)
+    figure = Figure(figsize=(_WIDTH_IN, 4.0), layout="constrained")
+    axes = figure.subplots()
+    for index, candidate in enumerate(candidates):
+        color = f"C{index}" if index != 3 else "C5"  # C3 is the straggler's red, kept for overflow
+        error = candidate.error
+        shown = ceiling if error is None else floor if error <= 0 else error
+        words = ("no finite error" if error is None else "exact (0)" if error <= 0 else f"{error:.1e}")
+        gain = "" if candidate.win_back_ms is None else f", wins back ~{candidate.win_back_ms:.1f} ms"
+        overflow = f", overflow: {candidate.nonfinite}" if candidate.overflowed else ""
+        axes.scatter([candidate.wire_ratio], [shown], s=60, color=color, marker="o" if error is not None else "x",
+                     zorder=3, gid=f"advice-{candidate.candidate}",
+                     label=f"{candidate.candidate}: {words}, {wire_ratio(candidate.wire_ratio)}{gain}{overflow}")
+        if candidate.worst_error is not None and error is not None and candidate.worst_error > shown:
+            axes.vlines(candidate.wire_ratio, shown, candidate.worst_error, color=color, linewidth=2, alpha=0.5)
+        if candidate.overflowed:
+            axes.scatter([candidate.wire_ratio], [shown], s=220, facecolors="none", edgecolors=_STRAGGLER_COLOR,
+                         linewidths=1.5, zorder=4, gid=f"advice-overflow-{candidate.candidate}")
+    if figures.wire_ratio is not None and figures.wire_ratio > 0:
+        axes.axvline(figures.wire_ratio, color="0.3", linestyle=":", linewidth=1, gid="advice-running",
+                     label=f"the running hook: {wire_ratio(figures.wire_ratio)}")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"x{value:g}"))
+    axes.xaxis.set_minor_formatter(NullFormatter())
+    ratios = [c.wire_ratio for c in candidates] + ([figures.wire_ratio] if figures.wire_ratio else [])
+    axes.set_xlim(min(ratios) / 2, max(ratios) * 2)
+    axes.set_xlabel("bytes on the wire per byte DDP handed over (log)")
+    axes.set_ylabel("||x - x^|| / ||x|| (log)")
+    axes.grid(alpha=0.3, which="major")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
     return figure
