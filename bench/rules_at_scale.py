@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT))
 
 from tensorplay.analysis.straggler import MIN_LATENESS_S, job_noise, shares_of  # noqa: E402
 from tensorplay.telemetry.names import Metric  # noqa: E402
-from tests.alert_firing import firing, notifications  # noqa: E402
+from tests.alert_firing import firing_in_order, notifications  # noqa: E402
 from tests.alert_rules import RULE_FILES, alert_rules  # noqa: E402
 from tests.backfill import aligned_start, backfilled_prometheus, evaluation_time  # noqa: E402
 from tests.dashboard_queries import dashboard_queries  # noqa: E402
@@ -91,8 +91,7 @@ QUERY_BUDGET_S = 20.0  # stop repeating a query once its runs took this long tog
 def alert_table(server: PrometheusServer, scenarios: list[Scenario], at: float) -> None:
     print(f"  {'alert':<36} {'job (scenario)':<22} {'ranks':>6}  {'first ranks':<40} {'alerts':>6} {'notif.':>6}")
     silent = []
-    for rule in alert_rules():
-        fired = firing(server, rule, at, SCRAPE_INTERVAL_S)
+    for rule, fired in firing_in_order(server, alert_rules(), at, SCRAPE_INTERVAL_S):
         name = rule["alert"] + (f" ({rule['labels']['severity']})" if rule["alert"] == "TensorplayStragglerRank" else "")
         if not fired:
             silent.append(name)

@@ -1,7 +1,7 @@
 """Read tensorplay's alert and recording rules from deploy/prometheus/rules/, for the tests.
 
 An alert may be written as several rules of one name, one per severity (TensorplayStragglerRank:
-``warning`` and ``critical``): :func:`alert_rules` lists every rule, :func:`alerts` the first of
+``critical``, then ``warning``): :func:`alert_rules` lists every rule, :func:`alerts` the first of
 each name. ``alert_expr(name)`` is an alert's expression as Prometheus evaluates it (the rules of
 one name joined with ``or``: every series that fires it, at any severity). ``alert_expr(name,
 {120: 3})`` is the same expression with every number 120 in it replaced by 3: an end-to-end test
@@ -45,7 +45,7 @@ def alert_rules(name: str | None = None) -> list[dict]:
 
 
 def alerts() -> dict[str, dict]:
-    """Every alert by name: its first rule (of an alert with one rule per severity, the least severe)."""
+    """Every alert by name: its first rule (of an alert with one rule per severity, the first written)."""
     first: dict[str, dict] = {}
     for rule in alert_rules():
         first.setdefault(rule["alert"], rule)

@@ -5,8 +5,9 @@ evaluation takes each rank's 5-minute window as the recording rules do -- its en
 over its stepping time -- and judges it with ``tensorplay.analysis.straggler.outliers``, the
 function tests/test_straggler_analysis.py ties to the rule files; a rank is a straggler once the
 windows 5 and 10 minutes back agree (at most 8 a job), and its alert fires once it has been one
-for the alert's ``for:`` (2m): ``warning`` for every straggler, ``critical`` too for one that costs
-20 % of every step or more. This is how bench/rules_at_scale.py runs a whole
+for the alert's ``for:`` (2m), at one severity at a time as the two rules of the alert have it:
+``critical`` from 20 % of every step (held down to 18 % once firing, and firing on for its
+``keep_firing_for`` once under that), ``warning`` for every other straggler. This is how bench/rules_at_scale.py runs a whole
 day of 10,000 ranks, which backfilling Prometheus cannot reach. The windows are whole: the first
 evaluation is 5 minutes into the job (Prometheus has partial windows before; a job younger than
 its three windows has no straggler either way).
@@ -20,14 +21,16 @@ from typing import Iterable
 
 import numpy as np
 
-from tensorplay.analysis.straggler import MAX_RANKS_PER_JOB, WINDOW_S, WINDOWS, job_noise, outliers, severity, shares_of
+from tensorplay.analysis.straggler import (
+    CRITICAL_HOLD_SHARE, CRITICAL_SHARE, MAX_RANKS_PER_JOB, WINDOW_S, WINDOWS, job_noise, outliers, shares_of,
+)
 
 from .step_timing import Timeline
 
 __all__ = ["ALERT_FOR_S", "RuleRun", "run_rule"]
 
 ALERT_FOR_S = 120.0
-"""TensorplayStragglerRank's ``for:``."""
+"""TensorplayStragglerRank's ``for:``, and its critical rule's ``keep_firing_for``."""
 
 
 @dataclass
@@ -62,7 +65,9 @@ def run_rule(timelines: Iterable[Timeline], windows: int = WINDOWS, hold_s: floa
     run = RuleRun(windows)
     recent: deque = deque()  # the last window's intervals: (waits[rank], seconds, steps)
     outlying: deque = deque()  # each evaluation's outliers, as far back as the oldest window read
-    held: dict[tuple[int, str], int] = {}
+    held: dict[tuple[int, str], int] = {}  # evaluations each (rank, severity) has been returned since it went pending
+    critical_firing: set[int] = set()
+    kept: dict[int, int] = {}  # a firing critical no longer returned: evaluations since it last was
     elapsed = 0
     for timeline in timelines:
         interval_s = timeline.interval_s
@@ -96,14 +101,36 @@ def run_rule(timelines: Iterable[Timeline], windows: int = WINDOWS, hold_s: floa
             named = sorted(np.flatnonzero(agreed), key=lambda r: -shares[r])[:MAX_RANKS_PER_JOB]
             run.straggler_evaluations += bool(named)
             now_s = elapsed * interval_s
-            current = {(int(r), "warning") for r in named}  # the two rules of the alert: every straggler,
-            current |= {(int(r), "critical") for r in named if severity(float(shares[r])) == "critical"}
-            for key in current:
-                held[key] = held.get(key, 0) + 1
-                run.first_named_s.setdefault(key[0], now_s)
-                if held[key] == hold + 1:
-                    run.alerts.append((*key, now_s))
-            for key in set(held) - current:
-                del held[key]
+            for r in named:
+                run.first_named_s.setdefault(int(r), now_s)
+            # The critical rule first, then the warning, which reads whether the critical fires now.
+            holding = {int(r) for r in named if shares[r] >= CRITICAL_HOLD_SHARE}
+            critical = {int(r) for r in named if shares[r] >= CRITICAL_SHARE} | (holding & critical_firing)
+            critical_firing = _hold(held, "critical", critical, hold, now_s, run.alerts)
+            for r in critical_firing - critical:  # keep_firing_for: 0 at the first evaluation not returned
+                kept[r] = kept.get(r, -1) + 1
+            for r in list(kept):
+                if r in critical or r not in critical_firing:
+                    del kept[r]
+                elif kept[r] >= hold:
+                    del kept[r], held[(r, "critical")]
+                    critical_firing.discard(r)
+            _hold(held, "warning", {int(r) for r in named} - (holding & critical_firing), hold, now_s, run.alerts)
     return run
+
+
+def _hold(held: dict[tuple[int, str], int], severity: str, returned: set[int], hold: int, now_s: float,
+          alerts: list[tuple[int, str, float]]) -> set[int]:
+    """One rule's evaluation: the ranks it returned go pending or stay, fire once held ``hold``
+    evaluations more; the others are dropped, but for a firing critical (kept by the caller for its
+    keep_firing_for). Returns the ranks firing at this severity."""
+    for rank in returned:
+        key = (rank, severity)
+        held[key] = held.get(key, 0) + 1
+        if held[key] == hold + 1:
+            alerts.append((*key, now_s))
+    for key in [k for k in held if k[1] == severity and k[0] not in returned]:
+        if severity == "warning" or held[key] <= hold:
+            del held[key]
+    return {rank for rank, sev in held if sev == severity and held[(rank, sev)] > hold}
 

@@ -92,23 +92,3 @@ def test_per_rank_alerts_make_one_group_per_alert_and_job(alertmanager: str):
     assert all(set(g["labels"]) == {"alertname", "job"} for g in groups), [g["labels"] for g in groups]
     assert {key: len(g["alerts"]) for key, g in found.items()} == expected
     assert {g["receiver"]["name"] for g in groups} == {"tensorplay"}
-
-
-def test_a_critical_straggler_mutes_its_own_warning_only(alertmanager: str):
-    """TensorplayStragglerRank fires warning and critical for a rank costing its job 20 % or more:
-    the warning of that rank (and job) is muted, another rank's or another job's is not."""
-    def straggler(job: str, rank: int, severity: str) -> dict:
-        return {"labels": {"alertname": "TensorplayStragglerRank", "job": job, "rank": str(rank),
-                           "severity": severity}, "annotations": {"summary": "straggler"}}
-
-    _api(alertmanager, "/api/v2/alerts", [straggler("bert", 3, "warning"), straggler("bert", 3, "critical"),
-                                         straggler("bert", 5, "warning"), straggler("gpt", 3, "warning")])
-
-    def states() -> dict | None:
-        found = {(a["labels"]["job"], a["labels"]["rank"], a["labels"]["severity"]): a["status"]["state"]
-                 for a in _api(alertmanager, "/api/v2/alerts")}
-        return found if len(found) == 4 and "suppressed" in found.values() else None
-
-    found = wait_until(states, 30, "Alertmanager to inhibit the muted warning")
-    assert found == {("bert", "3", "warning"): "suppressed", ("bert", "3", "critical"): "active",
-                     ("bert", "5", "warning"): "active", ("gpt", "3", "warning"): "active"}

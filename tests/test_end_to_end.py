@@ -387,7 +387,8 @@ def test_a_bigger_batch_on_one_rank_is_named_by_its_share_of_the_step(prometheus
         assert set(named) == {"1"}, (named, shares, lateness)
         share, severities = named["1"]
         assert share == pytest.approx(shares["1"]) and max(threshold, CRITICAL_SHARE) <= share < 1, (named, threshold)
-        assert severities == {"warning", "critical"} and lateness["1"] >= MIN_LATENESS_S, (named, lateness)
+        # The critical rule returns it (the warning rule too, until it reads the critical firing in ALERTS).
+        assert "critical" in severities and lateness["1"] >= MIN_LATENESS_S, (named, lateness)
         for alert in ("TensorplayUnevenInputs", "TensorplayRankStalled", "TensorplayJobHung",
                       "TensorplayRankMetricsMissing", "TensorplayGradientOverflow"):
             assert run.values(alert_expr(alert)) == {}, alert

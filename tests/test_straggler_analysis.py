@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tensorplay.analysis.straggler import (
+    CRITICAL_HOLD_SHARE,
     CRITICAL_SHARE,
     FALSE_ALARMS_PER_DAY,
     MAX_RANKS_PER_JOB,
@@ -191,10 +192,16 @@ def _recorded(name: str) -> str:
     return rule["expr"]
 
 
-def test_the_alert_is_critical_too_from_the_critical_share_and_reads_three_windows() -> None:
-    written = {rule["labels"]["severity"]: rule["expr"].strip() for rule in alert_rules("TensorplayStragglerRank")}
+def test_the_alerts_severity_is_critical_from_the_critical_share_and_it_reads_three_windows() -> None:
+    written = {rule["labels"]["severity"]: " ".join(rule["expr"].split()) for rule in alert_rules("TensorplayStragglerRank")}
     series = "job_rank:tensorplay_step_lateness:straggler_ratio5m"
-    assert written == {"warning": series, "critical": f"{series} >= {CRITICAL_SHARE:g}"}
+    firing = 'ALERTS{alertname="TensorplayStragglerRank", severity="critical", alertstate="firing"}'
+    held = f"{series} >= {CRITICAL_HOLD_SHARE:g} and on (job, rank) {firing}"
+    assert written == {"critical": f"{series} >= {CRITICAL_SHARE:g} or {held}",
+                       "warning": f"{series} unless on (job, rank) ( {held} )"}
+    critical, warning = alert_rules("TensorplayStragglerRank")  # the warning reads the critical's ALERTS of this evaluation
+    assert (critical["labels"]["severity"], warning["labels"]["severity"]) == ("critical", "warning")
+    assert critical["keep_firing_for"] == critical["for"] and "keep_firing_for" not in warning  # the hand-over
     offsets = sorted(int(m) for m in re.findall(r"\boffset (\d+)m\b", _recorded(series)))
     assert offsets == [int(WINDOW_S // 60) * i for i in range(1, WINDOWS)]
     assert re.search(r"topk by \(job\) \((\d+),", _recorded(series)).group(1) == str(MAX_RANKS_PER_JOB)

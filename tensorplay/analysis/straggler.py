@@ -22,8 +22,9 @@ deploy/README.md, "Straggler rule"):
   stragglers a day (the formula and its assumptions are in :func:`noise_multiplier`);
 * the rank also costs at least :data:`MIN_LATENESS_S` per step (tiny steps never page), and at
   most :data:`MAX_RANKS_PER_JOB` of a job are named, the highest shares;
-* every straggler is a ``warning``, one that costs :data:`CRITICAL_SHARE` of every step or more
-  ``critical`` too (:func:`severity`: the higher; Alertmanager mutes the warning meanwhile).
+* its severity is ``critical`` from :data:`CRITICAL_SHARE` of every step, ``warning`` under it
+  (:func:`severity`); the alert keeps a rank's critical down to :data:`CRITICAL_HOLD_SHARE`, so
+  that a share wandering about the line does not turn it over at every evaluation.
 
 deploy/prometheus/rules/tensorplay.rules.yml writes the same rule in PromQL: one 5-minute window
 is ``job_rank:tensorplay_step_lateness:outlier_ratio5m``; the windows are the figure now,
@@ -53,6 +54,7 @@ __all__ = [
     "MAD_TO_SIGMA",
     "MIN_LATENESS_S",
     "CRITICAL_SHARE",
+    "CRITICAL_HOLD_SHARE",
     "MAX_RANKS_PER_JOB",
     "evaluations_per_day",
     "noise_multiplier",
@@ -96,6 +98,8 @@ MIN_LATENESS_S = 0.002
 """A straggler costs the job at least this many seconds per step: tiny steps never page."""
 CRITICAL_SHARE = 0.20
 """From this share of every step a straggler's severity is ``critical`` (below it, ``warning``)."""
+CRITICAL_HOLD_SHARE = 0.18
+"""A rank whose critical alert fires stays critical down to this share (the alert's hysteresis)."""
 MAX_RANKS_PER_JOB = 8
 """At most this many ranks of a job are named (the highest shares): one node's worth."""
 
@@ -205,7 +209,7 @@ def outliers(shares: Sequence[float] | np.ndarray, seconds_per_step: Sequence[fl
 
 
 def severity(share: float) -> str:
-    """The alert's highest severity for a straggler of this share of every step."""
+    """The alert's severity for a straggler of this share of every step (a rank not critical before)."""
     return "critical" if share >= CRITICAL_SHARE else "warning"
 
 
