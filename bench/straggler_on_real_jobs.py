@@ -2,7 +2,7 @@
 project's rules, the straggler's windows scaled down so that a run of a minute or two holds three.
 
 The rule files are copied with every ``[5m]`` window, the straggler rule's ``offset 5m`` and
-``offset 10m`` and the alert's ``for: 2m`` scaled by ``--window / 5m`` (20 s: windows of 20 s, 20 and
+``offset 10m`` and the alert's ``for: 2m`` (and its critical's ``keep_firing_for``) scaled by ``--window / 5m`` (20 s: windows of 20 s, 20 and
 40 s back, a ``for:`` of 8 s); nothing else changes. Prometheus scrapes the ranks every second
 and evaluates the rules every second. For each run it prints, once every rank has written its
 result: each rank's share of every step and its cost in ms, the job's threshold and its peers'
@@ -44,7 +44,7 @@ LINGER_S = 25.0
 
 
 def scaled_rules(folder: Path, window_s: int) -> list[Path]:
-    """The project's rule files with the 5m windows, the straggler's offsets and its for: scaled to ``window_s``."""
+    """The project's rule files with the 5m windows, the straggler's offsets, for: and keep_firing_for: scaled to ``window_s``."""
     scale = window_s / 300
     paths = []
     for path in RULE_FILES:
@@ -52,6 +52,7 @@ def scaled_rules(folder: Path, window_s: int) -> list[Path]:
         text = text.replace("offset 10m", f"offset {2 * window_s}s").replace("offset 5m", f"offset {window_s}s")
         text = re.sub(r"(- alert: TensorplayStragglerRank\n(?:.*\n)*?\s+for: )2m",
                       lambda match: f"{match.group(1)}{round(120 * scale)}s", text)
+        text = text.replace("keep_firing_for: 2m", f"keep_firing_for: {round(120 * scale)}s")  # the straggler's only
         (folder / path.name).write_text(text)
         paths.append(folder / path.name)
     return paths
