@@ -6,8 +6,8 @@ over the rule's ``for:`` before it (a range query at the evaluation interval); i
 series' and the rule's. A rule that reads another's ``ALERTS{..., alertstate="firing"}`` (the
 straggler alert's warning reads its critical) is evaluated after it, with that selector standing
 for the alerts found firing (:func:`firing_in_order`): a backfilled Prometheus has no ALERTS
-series, and on data that holds still over the ``for:`` the two agree. :func:`notifications` groups alerts by deploy/alertmanager/alertmanager.yml's
-``group_by``: one notification per group.
+series, and on data that holds still over the ``for:`` the two agree. :func:`notifications`
+groups alerts by deploy/alertmanager/alertmanager.yml's ``group_by``: one notification per group.
 """
 
 from __future__ import annotations

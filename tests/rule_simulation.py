@@ -7,8 +7,8 @@ function tests/test_straggler_analysis.py ties to the rule files; a rank is a st
 windows 5 and 10 minutes back agree (at most 8 a job), and its alert fires once it has been one
 for the alert's ``for:`` (2m), at one severity at a time as the two rules of the alert have it:
 ``critical`` from 20 % of every step (held down to 18 % once firing, and firing on for its
-``keep_firing_for`` once under that), ``warning`` for every other straggler. This is how bench/rules_at_scale.py runs a whole
-day of 10,000 ranks, which backfilling Prometheus cannot reach. The windows are whole: the first
+``keep_firing_for`` once under that), ``warning`` for every other straggler. This is how
+bench/rules_at_scale.py runs a whole day of 10,000 ranks, which backfilling Prometheus cannot reach. The windows are whole: the first
 evaluation is 5 minutes into the job (Prometheus has partial windows before; a job younger than
 its three windows has no straggler either way).
 """
@@ -106,7 +106,7 @@ def run_rule(timelines: Iterable[Timeline], windows: int = WINDOWS, hold_s: floa
             # The critical rule first, then the warning, which reads whether the critical fires now.
             holding = {int(r) for r in named if shares[r] >= CRITICAL_HOLD_SHARE}
             critical = {int(r) for r in named if shares[r] >= CRITICAL_SHARE} | (holding & critical_firing)
-            critical_firing = _hold(held, "critical", critical, hold, now_s, run.alerts)
+            critical_firing = _hold(held, "critical", critical, hold, now_s, run.alerts, keeps_firing=True)
             for r in critical_firing - critical:  # keep_firing_for: 0 at the first evaluation not returned
                 kept[r] = kept.get(r, -1) + 1
             for r in list(kept):
@@ -115,22 +115,23 @@ def run_rule(timelines: Iterable[Timeline], windows: int = WINDOWS, hold_s: floa
                 elif kept[r] >= hold:
                     del kept[r], held[(r, "critical")]
                     critical_firing.discard(r)
-            _hold(held, "warning", {int(r) for r in named} - (holding & critical_firing), hold, now_s, run.alerts)
+            _hold(held, "warning", {int(r) for r in named} - (holding & critical_firing), hold, now_s, run.alerts,
+                  keeps_firing=False)
     return run
 
 
 def _hold(held: dict[tuple[int, str], int], severity: str, returned: set[int], hold: int, now_s: float,
-          alerts: list[tuple[int, str, float]]) -> set[int]:
+          alerts: list[tuple[int, str, float]], keeps_firing: bool) -> set[int]:
     """One rule's evaluation: the ranks it returned go pending or stay, fire once held ``hold``
-    evaluations more; the others are dropped, but for a firing critical (kept by the caller for its
-    keep_firing_for). Returns the ranks firing at this severity."""
+    evaluations more; the others are dropped, but for firing ones of a rule that ``keeps_firing``
+    (the caller ends them after its keep_firing_for). Returns the ranks firing at this severity."""
     for rank in returned:
         key = (rank, severity)
         held[key] = held.get(key, 0) + 1
         if held[key] == hold + 1:
             alerts.append((*key, now_s))
     for key in [k for k in held if k[1] == severity and k[0] not in returned]:
-        if severity == "warning" or held[key] <= hold:
+        if not keeps_firing or held[key] <= hold:
             del held[key]
     return {rank for rank, sev in held if sev == severity and held[(rank, sev)] > hold}
 

@@ -35,7 +35,7 @@ from .backfill import aligned_start, backfilled_prometheus, evaluation_time
 from .dashboard_queries import dashboard_paths, dashboard_queries, default_value, load_dashboard
 from .prometheus_server import PrometheusServer
 from .rule_simulation import run_rule
-from .step_timing import BUCKETS_PER_STEP, COLLECTIVE_S, Spread, simulate
+from .step_timing import BUCKETS_PER_STEP, COLLECTIVE_S, Spread, Timeline, simulate
 from .synthetic_job import SCRAPE_INTERVAL_S, RANKS_PER_NODE, Scenario, SyntheticJob, standard_scenarios
 
 RANKS = 64
@@ -153,6 +153,28 @@ def test_the_rule_run_in_python_over_simulated_steps() -> None:
     assert run.first_named_s == {21: WINDOWS * WINDOW_S}
     assert run.alerts == [(21, "critical", WINDOWS * WINDOW_S + 120)]  # its warning never fires: critical at once
     assert run_rule(slow, windows=1).first_named_s == {21: WINDOW_S}
+
+
+def _late_rank_timeline(late_s: list[float]) -> Timeline:
+    """4 ranks, 1 s steps, 60 a minute, one scrape a minute; rank 1 arrives ``late_s[m]`` late in minute m."""
+    minutes = len(late_s)
+    steps = np.full(minutes, 60.0)
+    waits = np.full((4, minutes), 30.0)  # the peers wait 0.5 s of every step
+    waits[1] = 60 * (0.5 - np.array(late_s))
+    slowest = np.full(minutes, 40.0)
+    return Timeline(60.0, steps, 60 * np.ones(minutes), slowest, steps * COLLECTIVE_S + slowest - waits,
+                    np.zeros((4, minutes)))
+
+
+def test_the_rule_run_in_python_hands_one_severity_over_to_the_other_as_the_rules_do() -> None:
+    """The hand-over of tests/rules/straggler.test.yml's 'severity by the share', with whole windows
+    (named from 15m, firing from 17m): rank 1 25 % late, then 12.5 % from 20m: critical until its
+    warning has been pending 2 minutes from 23m (17.5 %, under the 18 % it holds to), then warning."""
+    down = run_rule([_late_rank_timeline([0.25] * 20 + [0.125] * 15)])
+    assert down.alerts == [(1, "critical", 17 * 60.0), (1, "warning", 25 * 60.0)]
+    up = run_rule([_late_rank_timeline([0.125] * 20 + [0.25] * 15)])
+    assert [(rank, severity) for rank, severity, _ in up.alerts] == [(1, "warning"), (1, "critical")]
+    assert up.alerts[0][2] == 17 * 60.0 and 25 * 60.0 <= up.alerts[1][2] <= 26 * 60.0
 
 
 def test_an_uneven_join_fires_once_for_the_job_naming_the_worst_rank(fired) -> None:
